@@ -1,0 +1,17 @@
+"""hf_varrate: VarRate variable-rate low-rank KV-cache compression for Hugging Face transformers.
+
+Importing this package changes nothing in transformers; `bind(model)` (or
+`VarRateCache.from_pretrained(..., model=model)`) installs the only hooks, `unbind(model)` removes them.
+"""
+
+from .bases import Bases, BasesError
+from .binding import bind, bound, is_bound, unbind
+from .cache import Footprint, LayerFootprint, VarRateCache, VarRateLayer, VarRateWarning
+from .config import VarRateConfig
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Bases", "BasesError", "Footprint", "LayerFootprint", "VarRateCache", "VarRateConfig", "VarRateLayer",
+    "VarRateWarning", "bind", "bound", "is_bound", "unbind", "__version__",
+]

@@ -1,0 +1,135 @@
+"""Binding a model to VarRate: one forward pre-hook per attention module.
+
+A `Cache` never sees query states, so the hook recomputes the last `obs_window` queries the way
+the attention module does (q_proj, q_norm where the architecture has one, the model's own RoPE)
+and hands them, with cos/sin and the key padding, to that layer of the VarRateCache it finds in
+the module's kwargs (`cache` in new transformers, `past_key_values` in older ones). For any other
+cache, and outside the prefill, the hook does nothing. Nothing is patched: `unbind` removes it all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from .codec.salience import attention_scale
+
+_HANDLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention module -> hook handle
+
+
+@dataclass
+class PrefillContext:
+    """What a layer needs at its prefill that only the attention module can see.
+
+    queries [B, Hq, W, d] post-RoPE; cos, sin [B or 1, S, d]; key_valid [B, S] bool or None (no padding).
+    """
+
+    queries: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    scaling: float
+    key_valid: torch.Tensor | None
+
+
+def attention_modules(model) -> list[torch.nn.Module]:
+    """The model's self-attention modules: those with q_proj, k_proj and a layer_idx."""
+    return [m for m in model.modules() if hasattr(m, "q_proj") and hasattr(m, "k_proj") and hasattr(m, "layer_idx")]
+
+
+def bind(model):
+    """Install the prefill hook on every attention module of `model` (idempotent). Returns `model`."""
+    modules = attention_modules(model)
+    if not modules:
+        raise ValueError(
+            f"bind found no attention module (with q_proj, k_proj and layer_idx) in {type(model).__name__}; "
+            f"VarRate supports Llama-style decoders (Llama, Qwen2/3, Mistral, Gemma-3)"
+        )
+    for module in modules:
+        if module not in _HANDLES:
+            _HANDLES[module] = module.register_forward_pre_hook(_capture_prefill, with_kwargs=True)
+    return model
+
+
+def unbind(model):
+    """Remove every hook `bind` installed on `model`. Returns `model`."""
+    for module in attention_modules(model):
+        handle = _HANDLES.pop(module, None)
+        if handle is not None:
+            handle.remove()
+    return model
+
+
+def is_bound(model) -> bool:
+    modules = attention_modules(model)
+    return bool(modules) and all(m in _HANDLES for m in modules)
+
+
+@contextlib.contextmanager
+def bound(model):
+    """`with bound(model): ...` binds for the block and always unbinds afterwards."""
+    bind(model)
+    try:
+        yield model
+    finally:
+        unbind(model)
+
+
+def _capture_prefill(module, args, kwargs):
+    from .cache import VarRateCache, VarRateLayer
+
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if not isinstance(cache, VarRateCache) or module.layer_idx >= len(cache.layers):
+        return None
+    layer = cache.layers[module.layer_idx]
+    if not isinstance(layer, VarRateLayer) or not layer.awaits_prefill:
+        return None
+    hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+    if hidden.shape[1] <= 1:
+        return None
+    cos, sin = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]
+    window = min(layer.config.obs_window, hidden.shape[1])
+    with torch.no_grad():
+        queries = window_queries(module, hidden, cos, sin, window)
+    valid = key_padding(kwargs.get("attention_mask"), hidden.shape[0], hidden.shape[1])
+    layer.prefill_context = PrefillContext(queries, cos, sin, attention_scale(module), valid)
+    return None
+
+
+def window_queries(module, hidden, cos, sin, window: int) -> torch.Tensor:
+    """The last `window` queries [B, Hq, W, d], computed exactly as the attention module computes them."""
+    h = hidden[:, -window:]
+    batch, length, _ = h.shape
+    q = module.q_proj(h).view(batch, length, -1, module.head_dim)  # [B, W, Hq, d]
+    if getattr(module, "q_norm", None) is not None:
+        q = module.q_norm(q)
+    q = q.transpose(1, 2)  # [B, Hq, W, d]
+    apply_rope = getattr(sys.modules[type(module).__module__], "apply_rotary_pos_emb", None)
+    if apply_rope is None:
+        raise NotImplementedError(
+            f"{type(module).__name__} has no apply_rotary_pos_emb in its modeling module; VarRate needs RoPE"
+        )
+    q, _ = apply_rope(q, q, cos[:, -window:], sin[:, -window:])
+    return q
+
+
+def key_padding(mask, batch: int, seq_len: int) -> torch.Tensor | None:
+    """[B, S] bool of real (non-padding) prompt tokens, read off the mask the attention module gets.
+
+    With left padding the last query sees every real token, so its mask row is the padding mask.
+    Returns None when there is no padding to remove.
+    """
+    if not torch.is_tensor(mask):
+        return None
+    if mask.ndim == 4:
+        row = mask[:, 0, -1, -seq_len:]
+    elif mask.ndim == 2:  # a plain 0/1 padding mask (flash-attention style)
+        row = mask[:, -seq_len:].bool()
+    else:
+        return None
+    valid = row if row.dtype == torch.bool else row > torch.finfo(row.dtype).min / 2  # additive float mask
+    valid = valid.expand(batch, seq_len) if valid.shape[0] == 1 else valid
+    return None if bool(valid.all()) else valid

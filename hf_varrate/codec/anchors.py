@@ -1,0 +1,51 @@
+"""Strided anchors, the recent window, and nearest-anchor residuals (Section 3.1, Eq. 2).
+
+Shapes: S tokens, A anchors, C coded tokens, c = n_anchors, D joint width.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def exact_mask(seq_len: int, stride: int, window: int, device=None) -> torch.Tensor:
+    """[S] bool: True for the exact set E = anchors at stride `stride` from token 0, plus the last `window`."""
+    mask = torch.zeros(seq_len, dtype=torch.bool, device=device)
+    mask[::stride] = True
+    mask[max(seq_len - window, 0) :] = True
+    return mask
+
+
+def anchor_positions(seq_len: int, stride: int, device=None) -> torch.Tensor:
+    """[A] long: positions 0, stride, 2*stride, ... (the anchors; a subset of the exact set)."""
+    return torch.arange(0, seq_len, stride, device=device)
+
+
+def nearest_anchors(z_coded: torch.Tensor, z_anchors: torch.Tensor, n_anchors: int, chunk: int) -> torch.Tensor:
+    """[C, c] long: for each coded vector, its `n_anchors` nearest anchors (indices into z_anchors).
+
+    Distances are fp32 and computed `chunk` coded tokens at a time, so memory is bounded by chunk x A.
+    Both sets are centred on the anchors' mean first: the squared-norm expansion inside `cdist`
+    then works on small norms and does not cancel (the paper's Appendix A.11 pitfall).
+    """
+    anchors = z_anchors.float()
+    centre = anchors.mean(dim=0, keepdim=True)  # [1, D]
+    anchors = anchors - centre
+    k = min(n_anchors, anchors.shape[0])
+    out = torch.empty(z_coded.shape[0], k, dtype=torch.long, device=z_coded.device)
+    for start in range(0, z_coded.shape[0], chunk):
+        block = z_coded[start : start + chunk].float() - centre  # [chunk, D]
+        dist = torch.cdist(block, anchors)  # [chunk, A], fp32
+        out[start : start + chunk] = dist.topk(k, dim=-1, largest=False).indices
+    return out
+
+
+def anchor_means(z_anchors: torch.Tensor, neighbours: torch.Tensor) -> torch.Tensor:
+    """[C, D] fp32: the mean of each coded token's anchors, z-bar_t in Eq. 2."""
+    return z_anchors.float()[neighbours].mean(dim=1)  # [C, c, D] -> [C, D]
+
+
+def residuals(z_coded: torch.Tensor, z_anchors: torch.Tensor, n_anchors: int, chunk: int):
+    """Eq. 2: e_t = z_t - mean of its c nearest anchors. Returns (e [C, D] fp32, neighbours [C, c])."""
+    neighbours = nearest_anchors(z_coded, z_anchors, n_anchors, chunk)
+    return z_coded.float() - anchor_means(z_anchors, neighbours), neighbours

@@ -1,0 +1,88 @@
+"""Per-token salience (Section 3.2, Eq. 4) and the paper's control signals.
+
+Shapes: queries [1, Hq, W, d] (the last W prompt queries, post-RoPE), keys [1, H, S, d] (post-RoPE),
+scores [S]. Scores are computed in the model's dtype, as SnapKV does: the allocation downstream
+sees the same rounding the reference saw (Appendix A.11 pitfall).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def snapkv_scores(queries: torch.Tensor, keys: torch.Tensor, scaling: float, pool_kernel: int) -> torch.Tensor:
+    """[S] attention the window places on each token, averaged over window queries and all query heads.
+
+    The window is the tail of the prompt, so window query i sits at position S - W + i and sees keys
+    up to it (causal). GQA: each KV head serves Hq / H query heads. Then SnapKV's moving average.
+    """
+    _, num_q_heads, window, dim = queries.shape
+    _, num_kv_heads, seq_len, _ = keys.shape
+    groups = num_q_heads // num_kv_heads
+    q = queries.reshape(num_kv_heads, groups * window, dim)  # [H, G*W, d]
+    logits = torch.matmul(q, keys[0].transpose(-1, -2).to(q.dtype)) * scaling  # [H, G*W, S]
+    logits = logits.view(num_kv_heads, groups, window, seq_len)
+    query_pos = torch.arange(seq_len - window, seq_len, device=keys.device)
+    causal = torch.arange(seq_len, device=keys.device)[None, :] > query_pos[:, None]  # [W, S]
+    logits = logits.masked_fill(causal, float("-inf"))
+    weights = torch.softmax(logits, dim=-1, dtype=torch.float32).to(queries.dtype)
+    scores = weights.mean(dim=(0, 1, 2))  # [S], model dtype
+    return pool_scores(scores, pool_kernel)
+
+
+def pool_scores(scores: torch.Tensor, kernel: int) -> torch.Tensor:
+    """SnapKV's clustering step: a length-`kernel` moving average over adjacent tokens."""
+    if kernel <= 1:
+        return scores
+    return F.avg_pool1d(scores[None, None], kernel, stride=1, padding=kernel // 2)[0, 0]
+
+
+def position_scores(seq_len: int, stride: int, window: int, device=None) -> torch.Tensor:
+    """[S] the 'position' control: an attention-sink bump plus a recency ramp, no content at all."""
+    pos = torch.arange(seq_len, device=device, dtype=torch.float32)
+    sink = torch.exp(-pos / stride)
+    recency = torch.exp(-(seq_len - 1 - pos) / window)
+    return sink + recency
+
+
+def minmax(scores: torch.Tensor) -> torch.Tensor:
+    """Min-max normalise to [0, 1] in fp32; a constant (or non-finite) signal becomes all ones (flat)."""
+    s = torch.nan_to_num(scores.float(), nan=0.0, posinf=0.0, neginf=0.0)
+    if s.numel() == 0:
+        return s
+    low, high = s.min(), s.max()
+    if not bool(high > low):
+        return torch.ones_like(s)
+    return (s - low) / (high - low)
+
+
+def coded_salience(
+    signal: str,
+    snapkv: torch.Tensor | None,
+    coded: torch.Tensor,
+    seq_len: int,
+    stride: int,
+    window: int,
+    seed: int,
+) -> torch.Tensor:
+    """[C] normalised salience s-hat over the coded tokens for the configured signal."""
+    if signal == "uniform":
+        return torch.ones(coded.numel(), device=coded.device)
+    if signal == "position":
+        return minmax(position_scores(seq_len, stride, window, coded.device)[coded])
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    if signal == "random":
+        return torch.rand(coded.numel(), generator=generator).to(coded.device)
+    s_hat = minmax(snapkv[coded])
+    if signal == "shuffle":  # same marginal, alignment destroyed (Appendix A.17)
+        s_hat = s_hat[torch.randperm(s_hat.numel(), generator=generator).to(coded.device)]
+    return s_hat
+
+
+def attention_scale(module) -> float:
+    """The softmax scale the attention module uses (Gemma-3 sets its own via query_pre_attn_scalar)."""
+    scale = getattr(module, "scaling", None)
+    return float(scale) if scale is not None else 1.0 / math.sqrt(module.head_dim)
