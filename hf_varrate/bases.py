@@ -117,7 +117,8 @@ class Bases:
         return out
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike) -> Bases:
+    def from_pretrained(cls, path: str | os.PathLike, revision=None, cache_dir=None, local_files_only=False,
+                        token=None) -> Bases:
         """Load from a local directory holding `bases.safetensors` and `config.json`."""
         from safetensors.torch import load_file
 

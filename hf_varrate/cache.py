@@ -219,7 +219,8 @@ class VarRateCache(Cache):
         """Load bases (local directory first, then the Hub), check them against `model`, bind `model`."""
         if model is None:
             raise ValueError("model= is required: VarRateCache.from_pretrained(path, model=model) binds it")
-        bases = Bases.from_pretrained(path_or_repo_id)
+        bases = Bases.from_pretrained(path_or_repo_id, revision=revision, cache_dir=cache_dir,
+                                      local_files_only=local_files_only, token=token)
         for note in bases.validate(model.config):
             warnings.warn(note, VarRateWarning, stacklevel=2)
         calibrated = {k: bases.metadata[k] for k in ("stride", "window", "n_anchors") if k in bases.metadata}
