@@ -148,9 +148,7 @@ def _convert(info: DefaultModel, folder: Path) -> None:
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
     try:
-        gguf_dir = _gguf_dir(info, tmp / "gguf")
-        model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=info.gguf_file, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=info.gguf_file)
+        model, tokenizer = _load_gguf(info, tmp / "gguf")
         out = tmp / "model"
         _save_plain(model, out)
         tokenizer.save_pretrained(out)
@@ -158,6 +156,14 @@ def _convert(info: DefaultModel, folder: Path) -> None:
         _publish(out, folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load_gguf(info: DefaultModel, scratch: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The slow path: transformers dequantizes the GGUF tensors to float32 in Python."""
+    gguf_dir = _gguf_dir(info, scratch)
+    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=info.gguf_file, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=info.gguf_file)
+    return model, tokenizer
 
 
 def _gguf_dir(info: DefaultModel, scratch: Path) -> Path:
