@@ -1,13 +1,20 @@
 """`Bases`: the per-layer PCA bases V [R, D] of one model, and their on-disk artifact.
 
-Artifact (a local directory or a Hub repo): `bases.safetensors` (tensor `layers.<i>` per compressed
-layer, fp16 or fp32), `config.json` (sorted keys, see `Bases.metadata`) and a `README.md` card.
+Artifact (a local directory or a Hub repo), three plain files:
+
+- `bases.safetensors`: tensor `layers.<i>` [R, D] per compressed layer (fp16, bf16 or fp32);
+- `config.json`: sorted keys, see `Bases.metadata`, plus `sha256` of the tensor file, checked on load;
+- `README.md`: a model card rendered from `hf_varrate/hub_assets/model_card.md`.
+
+Only safetensors and JSON are ever read: no pickle, no `torch.load`, no remote code.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -16,7 +23,14 @@ from .architecture import ModelShape, describe
 
 WEIGHTS_NAME = "bases.safetensors"
 CONFIG_NAME = "config.json"
+CARD_NAME = "README.md"
+ARTIFACT_FILES = (WEIGHTS_NAME, CONFIG_NAME, CARD_NAME)
+FORMAT_VERSION = 1
 BUILD_HINT = "python -m hf_varrate.calibration --model <your model> --out <dir>"
+MAX_CONFIG_BYTES = 1 << 20  # a config.json is a few KB; anything larger is not ours
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+SHAPE_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "width", "compressed_layers")
+INT_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "width", "rank")
 
 
 class BasesError(ValueError):
@@ -27,6 +41,8 @@ class Bases:
     """Per-layer orthonormal bases, rows ordered by decreasing singular value.
 
     Shared by every cache built from it (a deepcopy of a cache never copies its bases).
+    `metadata` holds the model's shape (num_layers, num_kv_heads, head_dim, width,
+    compressed_layers), rank, model_id, and the calibration settings (stride, window, n_anchors...).
     """
 
     def __init__(self, tensors: dict[int, torch.Tensor], metadata: dict):
@@ -78,62 +94,180 @@ class Bases:
 
     # validation -------------------------------------------------------------------------------------
     def validate(self, model_config) -> list[str]:
-        """Raise `BasesError` if these bases cannot serve `model_config`; return warnings (e.g. model id)."""
+        """Raise `BasesError` if these bases cannot serve `model_config`; return warnings (e.g. model id).
+
+        Shapes must match exactly; a different model id with matching shapes is only a warning (a
+        fine-tune of the calibrated model is a legitimate use). A model loaded from a local folder
+        has no Hub id to compare, so it is not warned about.
+        """
         shape = describe(model_config)
         expected = shape_metadata(shape)
-        for name in ("num_layers", "num_kv_heads", "head_dim", "width", "compressed_layers"):
+        hint = build_hint(shape.model_id)
+        for name in SHAPE_FIELDS:
             have, want = self.metadata.get(name), expected[name]
             if have is not None and list_or(have) != list_or(want):
-                raise BasesError(
-                    f"bases do not fit this model: {name} is {have!r} in the bases but {want!r} in the model; "
-                    f"build matching bases with: {BUILD_HINT}"
-                )
+                raise BasesError(f"bases do not fit this model: {name} is {have!r} in the bases but {want!r} in "
+                                 f"the model; build matching bases with: {hint}")
         for i in shape.compressed_layers:
             t = self.tensors.get(i)
             if t is None:
-                raise BasesError(f"bases miss layer {i} (layers.{i}); build complete bases with: {BUILD_HINT}")
+                raise BasesError(f"bases miss layer {i} (tensor layers.{i}); build complete bases with: {hint}")
             if t.ndim != 2 or t.shape[1] != shape.width or t.shape[0] > shape.width:
-                raise BasesError(
-                    f"basis of layer {i} has shape {tuple(t.shape)}, expected [R <= {shape.width}, {shape.width}]; "
-                    f"build matching bases with: {BUILD_HINT}"
-                )
+                raise BasesError(f"basis of layer {i} has shape {tuple(t.shape)}, expected [R <= {shape.width}, "
+                                 f"{shape.width}]; build matching bases with: {hint}")
         notes = []
         mine, theirs = self.metadata.get("model_id"), shape.model_id
-        if mine and theirs and mine != theirs and self.metadata.get("calibration") != "identity":
+        comparable = mine and theirs and not os.path.isdir(str(theirs))
+        if comparable and mine != theirs and self.metadata.get("calibration") != "identity":
             notes.append(f"bases were calibrated on {mine!r} but the model is {theirs!r}; shapes match, so they "
                          f"will be used, but quality may differ")
         return notes
 
-    # files ------------------------------------------------------------------------------------------
-    def save_pretrained(self, save_directory: str | os.PathLike, dtype: torch.dtype = torch.float16) -> Path:
-        from safetensors.torch import save_file
+    def check(self) -> None:
+        """Raise `BasesError` unless every tensor is a finite float [rank, width] with orthonormal rows
+        and the tensors cover exactly `compressed_layers`."""
+        meta = check_metadata(self.metadata)
+        expected = set(meta["compressed_layers"])
+        if set(self.tensors) != expected:
+            missing, extra = sorted(expected - set(self.tensors)), sorted(set(self.tensors) - expected)
+            raise BasesError(f"bases tensors do not match compressed_layers {sorted(expected)}: missing layers "
+                             f"{missing}, unexpected layers {extra}; rebuild them with: {build_hint(meta)}")
+        for i, tensor in sorted(self.tensors.items()):
+            check_basis(f"layers.{i}", tensor, meta["rank"], meta["width"])
 
+    # files ------------------------------------------------------------------------------------------
+    def save_pretrained(self, save_directory: str | os.PathLike, dtype: torch.dtype = torch.float16,
+                        card: bool = True) -> Path:
+        """Write `bases.safetensors`, `config.json` (with the tensor file's sha256) and a `README.md` card."""
+        from safetensors.torch import save
+
+        self.check()
         out = Path(save_directory)
         out.mkdir(parents=True, exist_ok=True)
-        tensors = {f"layers.{i}": t.to(dtype).contiguous() for i, t in sorted(self.tensors.items())}
-        save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt", "library": "hf_varrate"})
-        meta = {**self.metadata, "dtype": str(dtype).removeprefix("torch.")}
-        (out / CONFIG_NAME).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        tensors = {f"layers.{i}": t.detach().to("cpu", dtype, copy=True).contiguous()
+                   for i, t in sorted(self.tensors.items())}  # copies: identity layers share one tensor
+        blob = save(tensors, metadata={"format": "pt", "library": "hf_varrate"})
+        check_tensors(tensors, self.metadata)  # what fp16 rounding left must still be a valid basis
+        from . import __version__
+
+        meta = {**self.metadata, "dtype": str(dtype).removeprefix("torch."), "format_version": FORMAT_VERSION,
+                "library_version": __version__, "sha256": {WEIGHTS_NAME: hashlib.sha256(blob).hexdigest()}}
+        _write_atomic(out / WEIGHTS_NAME, blob)
+        _write_atomic(out / CONFIG_NAME, (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode())
+        if card:
+            from .hub import render_card
+
+            _write_atomic(out / CARD_NAME, render_card(meta).encode())
         return out
 
-    @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, revision=None, cache_dir=None, local_files_only=False,
-                        token=None) -> Bases:
-        """Load from a local directory holding `bases.safetensors` and `config.json`."""
-        from safetensors.torch import load_file
+    def push_to_hub(self, repo_id: str, *, private: bool | None = None, revision: str | None = None,
+                    token: str | None = None, commit_message: str | None = None):
+        """Save to a temporary folder and upload it (`HfApi.create_repo` + `upload_folder`)."""
+        from .hub import push_folder
 
-        folder = Path(path)
-        weights, config = folder / WEIGHTS_NAME, folder / CONFIG_NAME
-        for file in (weights, config):
-            if not file.is_file():
-                raise BasesError(f"{file} not found; build bases with: {BUILD_HINT}")
-        try:
-            metadata = json.loads(config.read_text())
-            raw = load_file(str(weights))
-        except Exception as exc:  # safetensors raises several types for a damaged file
-            raise BasesError(f"could not read bases from {folder}: {exc}; rebuild them with: {BUILD_HINT}") from exc
-        tensors = {int(name.split(".")[1]): t for name, t in raw.items() if name.startswith("layers.")}
-        return cls(tensors, metadata)
+        with tempfile.TemporaryDirectory(prefix="hf_varrate-bases-") as folder:
+            self.save_pretrained(folder)
+            return push_folder(folder, repo_id, private=private, revision=revision, token=token,
+                               commit_message=commit_message)
+
+    @classmethod
+    def from_pretrained(cls, path_or_repo_id: str | os.PathLike, revision=None, cache_dir=None,
+                        local_files_only=False, token=None) -> Bases:
+        """Load from a local directory, else from the Hub (`huggingface_hub.snapshot_download`: works
+        offline from the HF cache, `revision` may be a branch, tag or commit). Always verified."""
+        folder = Path(path_or_repo_id).expanduser()
+        if not folder.is_dir():
+            if looks_local(str(path_or_repo_id)):
+                raise BasesError(f"{path_or_repo_id} is not a directory holding bases ({WEIGHTS_NAME}, "
+                                 f"{CONFIG_NAME}); build bases there with: {BUILD_HINT}")
+            from .hub import download_bases
+
+            folder = download_bases(str(path_or_repo_id), revision=revision, cache_dir=cache_dir,
+                                    local_files_only=local_files_only, token=token)
+        return read_artifact(folder)
+
+
+def read_artifact(folder: str | os.PathLike) -> Bases:
+    """Read and verify a bases folder: JSON config, sha256 of the tensor file, then every tensor."""
+    from safetensors.torch import load
+
+    folder = Path(folder)
+    weights, config = folder / WEIGHTS_NAME, folder / CONFIG_NAME
+    for file in (weights, config):
+        if not file.is_file():
+            raise BasesError(f"{file} not found; build bases with: {BUILD_HINT}")
+    metadata = check_metadata(_read_config(config))
+    blob = weights.read_bytes()
+    recorded = metadata.get("sha256", {}).get(WEIGHTS_NAME) if isinstance(metadata.get("sha256"), dict) else None
+    if not isinstance(recorded, str):
+        raise BasesError(f"{config} records no sha256 for {WEIGHTS_NAME} (field sha256.{WEIGHTS_NAME}); "
+                         f"rebuild the bases with: {build_hint(metadata)}")
+    actual = hashlib.sha256(blob).hexdigest()
+    if actual != recorded.lower():
+        raise BasesError(f"{weights} is corrupt or was changed: its sha256 is {actual} but {CONFIG_NAME} "
+                         f"records {recorded} ({len(blob)} bytes read); download or rebuild it with: "
+                         f"{build_hint(metadata)}")
+    try:
+        raw = load(blob)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # safetensors' Rust panics derive from BaseException
+        raise BasesError(f"could not parse {weights}: {type(exc).__name__}: {exc}; rebuild it with: "
+                         f"{build_hint(metadata)}") from exc
+    check_tensors(raw, metadata)
+    return Bases({int(name.split(".")[1]): t for name, t in raw.items()}, metadata)
+
+
+def check_metadata(meta) -> dict:
+    """Types and consistency of the shape fields of a config.json (already parsed)."""
+    if not isinstance(meta, dict):
+        raise BasesError(f"{CONFIG_NAME} must hold a JSON object, got {type(meta).__name__}; rebuild with: {BUILD_HINT}")
+    for name in INT_FIELDS:
+        value = meta.get(name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise BasesError(f"{CONFIG_NAME} field {name} must be a positive integer, got {value!r}; "
+                             f"rebuild with: {build_hint(meta)}")
+    layers = meta.get("compressed_layers")
+    if (not isinstance(layers, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers)
+            or layers != sorted(set(layers)) or not all(0 <= i < meta["num_layers"] for i in layers)):
+        raise BasesError(f"{CONFIG_NAME} field compressed_layers must be sorted distinct layer indices in "
+                         f"[0, {meta['num_layers']}), got {layers!r}; rebuild with: {build_hint(meta)}")
+    if meta["width"] != 2 * meta["num_kv_heads"] * meta["head_dim"]:
+        raise BasesError(f"{CONFIG_NAME} field width is {meta['width']} but 2 * num_kv_heads * head_dim is "
+                         f"{2 * meta['num_kv_heads'] * meta['head_dim']}; rebuild with: {build_hint(meta)}")
+    if meta["rank"] > meta["width"]:
+        raise BasesError(f"{CONFIG_NAME} field rank is {meta['rank']}, above width {meta['width']}; "
+                         f"rebuild with: {build_hint(meta)}")
+    return meta
+
+
+def check_tensors(raw: dict[str, torch.Tensor], meta: dict) -> None:
+    """The tensor file holds exactly `layers.<i>` for each compressed layer, each a valid basis."""
+    expected = {f"layers.{i}" for i in meta["compressed_layers"]}
+    missing, extra = sorted(expected - set(raw)), sorted(set(raw) - expected)
+    if missing or extra:
+        raise BasesError(f"{WEIGHTS_NAME} must hold one tensor per compressed layer: missing {missing}, "
+                         f"unexpected {extra}; rebuild it with: {build_hint(meta)}")
+    for name in sorted(raw):
+        check_basis(name, raw[name], meta["rank"], meta["width"])
+
+
+def check_basis(name: str, tensor: torch.Tensor, rank: int, width: int) -> None:
+    """A float [rank, width] tensor, finite, with orthonormal rows (tolerance set by its dtype)."""
+    if tensor.dtype not in FLOAT_DTYPES:
+        raise BasesError(f"basis {name} has dtype {tensor.dtype}, expected one of "
+                         f"{[str(d) for d in FLOAT_DTYPES]}; rebuild it with: {BUILD_HINT}")
+    if tuple(tensor.shape) != (rank, width):
+        raise BasesError(f"basis {name} has shape {tuple(tensor.shape)}, expected [rank, width] = "
+                         f"[{rank}, {width}]; rebuild it with: {BUILD_HINT}")
+    if not bool(torch.isfinite(tensor).all()):
+        raise BasesError(f"basis {name} contains NaN or inf; rebuild it with: {BUILD_HINT}")
+    v = tensor.double()
+    gram_error = float((v @ v.T - torch.eye(rank, dtype=torch.float64)).abs().max())
+    tolerance = 1e-2 if tensor.element_size() <= 2 else 1e-4
+    if gram_error > tolerance:
+        raise BasesError(f"basis {name} does not have orthonormal rows: max |V V^T - I| is {gram_error:.3g}, "
+                         f"above {tolerance:g} for {tensor.dtype}; rebuild it with: {BUILD_HINT}")
 
 
 def shape_metadata(shape: ModelShape) -> dict:
@@ -147,5 +281,39 @@ def shape_metadata(shape: ModelShape) -> dict:
     }
 
 
+def build_hint(model_or_meta=None) -> str:
+    """The command that builds bases, naming the model when it is known."""
+    model = model_or_meta.get("model_id") if isinstance(model_or_meta, dict) else model_or_meta
+    return BUILD_HINT.replace("<your model>", str(model)) if isinstance(model, str) and model else BUILD_HINT
+
+
+def looks_local(path: str) -> bool:
+    """True for strings that can only be a filesystem path, never a Hub repo id ("name" or "org/name")."""
+    return (path.startswith(("/", ".", "~")) or "\\" in path or path.count("/") > 1 or os.path.exists(path))
+
+
 def list_or(value):
     return list(value) if isinstance(value, (list, tuple)) else value
+
+
+def _read_config(path: Path):
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise BasesError(f"{path} is {path.stat().st_size} bytes, more than a bases config can be "
+                         f"({MAX_CONFIG_BYTES}); rebuild it with: {BUILD_HINT}")
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise BasesError(f"{path} is not valid JSON ({type(exc).__name__}: {exc}); rebuild it with: "
+                         f"{BUILD_HINT}") from exc
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write beside `path` and rename into place, so a reader never sees half a file."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
