@@ -36,10 +36,16 @@ class LayerFootprint:
     bytes: int
     full_bytes: int
     rows_stored_exactly: int = 0
+    appended_bytes: int = 0  # tokens added after the prefill, stored exactly (part of `bytes`)
 
     @property
     def fraction(self) -> float:
         return self.bytes / self.full_bytes if self.full_bytes else 1.0
+
+    @property
+    def prompt_fraction(self) -> float:
+        full = self.full_bytes - self.appended_bytes
+        return (self.bytes - self.appended_bytes) / full if full else 1.0
 
 
 @dataclass
@@ -60,8 +66,16 @@ class Footprint:
     def fraction(self) -> float:
         return self.bytes / self.full_bytes if self.full_bytes else 1.0
 
+    @property
+    def prompt_fraction(self) -> float:
+        """The compressed prompt alone: what the budget controls (later tokens are stored exactly)."""
+        appended = sum(layer.appended_bytes for layer in self.layers)
+        full = self.full_bytes - appended
+        return (self.bytes - appended) / full if full else 1.0
+
     def __repr__(self):
-        return f"Footprint(bytes={self.bytes}, full_bytes={self.full_bytes}, fraction={self.fraction:.4f})"
+        return (f"Footprint(bytes={self.bytes}, full_bytes={self.full_bytes}, fraction={self.fraction:.4f}, "
+                f"prompt_fraction={self.prompt_fraction:.4f})")
 
 
 class VarRateLayer(DynamicLayer):
@@ -156,7 +170,7 @@ class VarRateLayer(DynamicLayer):
         full = sum(min(code.seq_len, kept_prompt - (self.prompt_len - code.seq_len)) for code in self.codes)
         tail = self.appended * len(self.codes) * per_token
         return LayerFootprint(self.layer_idx, "varrate", stored + tail, full * per_token + tail,
-                              self.rows_stored_exactly)
+                              self.rows_stored_exactly, tail)
 
     # cache operations: the tensors follow DynamicLayer, the per-sequence codes follow the tensors
     def reset(self) -> None:
