@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import tempfile
+import uuid
 from pathlib import Path
 
 import torch
@@ -308,12 +309,12 @@ def _read_config(path: Path):
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    """Write beside `path` and rename into place, so a reader never sees half a file."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    """Write beside `path` and rename into place, so a reader never sees half a file (mode per umask)."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "xb") as f:
             f.write(data)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise

@@ -1,0 +1,63 @@
+"""`calibrate(model, contexts)`: training-free bases (paper Section 3.1, "Shared basis").
+
+Per compressed layer: stream the residuals of every context into an fp64 D x D second moment,
+then keep its top-R eigenvectors. R defaults to min(1024, D) (Section 4.1). Deterministic: the
+same model, contexts and settings give the same bases bit for bit on the same machine.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+import warnings
+
+import torch
+
+from ..architecture import describe
+from ..bases import Bases
+from ..config import VarRateConfig
+from .collect import ResidualSettings, run_contexts
+from .pca import SecondMoments
+
+DEFAULT_RANK = 1024  # the paper's R, capped at D
+
+
+def calibrate(model, contexts: list[torch.Tensor], *, rank: int | None = None, config: VarRateConfig | None = None,
+              progress: bool = True, **metadata) -> Bases:
+    """Bases for `model` from `contexts` (LongTensors of token ids, one prefill each).
+
+    `config` supplies stride, window and n_anchors (the defaults: 16, 64, 4), recorded in the
+    bases so that `VarRateCache.from_pretrained` codes with the same ones. Extra keyword arguments
+    go into the bases' metadata (e.g. calibration="my data", seed=0, model_id="org/name").
+    """
+    if not contexts:
+        raise ValueError("calibrate needs at least one context")
+    config = config or VarRateConfig()
+    shape = describe(model.config)
+    rank = min(DEFAULT_RANK, shape.width) if rank is None else rank
+    if not 1 <= rank <= shape.width:
+        raise ValueError(f"rank must be in [1, {shape.width}] (the joint width D = 2*H*d), got {rank}")
+    settings = ResidualSettings.from_config(config)
+    moments = SecondMoments(shape.width, shape.compressed_layers)
+    start = time.perf_counter()
+    run_contexts(model, contexts, shape.compressed_layers, moments.add, settings, progress)
+    bases, _ = moments.components(rank)
+    seconds = time.perf_counter() - start
+    samples = min(moments.counts.values())
+    if samples < rank:
+        warnings.warn(f"only {samples} residuals per layer for rank {rank}: the last {rank - samples} directions "
+                      f"carry no calibration data; use more or longer contexts", stacklevel=2)
+    meta = {
+        "calibration": "custom", "num_contexts": len(contexts), "context_length": int(contexts[0].numel()),
+        "num_samples": samples, "calibration_seconds": round(seconds, 2),
+        "calibration_machine": machine_description(next(model.parameters()).device),
+        "stride": config.stride, "window": config.window, "n_anchors": config.n_anchors, **metadata,
+    }
+    return Bases.from_tensors(bases, model.config, **meta)
+
+
+def machine_description(device: torch.device) -> str:
+    """Where calibration ran, for the card (times are only comparable on the same machine)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.machine()} CPU, {torch.get_num_threads()} torch threads"
