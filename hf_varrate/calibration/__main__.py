@@ -115,7 +115,7 @@ def measure(model, tokenizer, bases: Bases, args) -> dict | None:
     shipped = Bases({i: t.to(dtype).float() for i, t in bases.tensors.items()}, bases.metadata)
     for name, basis in (("calibrated", shipped), ("identity", Bases.identity(model.config))):
         basis.metadata.update({k: bases.metadata[k] for k in ("stride", "window", "n_anchors")})
-        error = reconstruction_error(model, basis, contexts, budget=args.eval_budget)
+        error = reconstruction_error(model, basis, contexts, budget=args.eval_budget, progress=not args.quiet)
         result[name] = {k: round(v, 5) for k, v in error.to_dict().items() if k in ("keys", "values", "footprint")}
         result[name]["per_layer"] = {i: {k: round(x, 5) for k, x in v.items()} for i, v in error.per_layer.items()}
     return result

@@ -13,6 +13,7 @@ import inspect
 from dataclasses import dataclass, field
 
 import torch
+from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from ..bases import Bases
@@ -37,7 +38,7 @@ class ReconstructionError:
 
 
 def reconstruction_error(model, bases: Bases, contexts: list[torch.Tensor], budget: float = 0.2,
-                         config: VarRateConfig | None = None) -> ReconstructionError:
+                         config: VarRateConfig | None = None, progress: bool = False) -> ReconstructionError:
     """Relative reconstruction error of the codec with `bases` at `budget` on `contexts` (batch 1 each)."""
     calibrated = {k: bases.metadata[k] for k in ("stride", "window", "n_anchors") if k in bases.metadata}
     config = (config or VarRateConfig(**calibrated)).replace(budget=budget)
@@ -46,7 +47,7 @@ def reconstruction_error(model, bases: Bases, contexts: list[torch.Tensor], budg
     was_bound = is_bound(model)
     bind(model)
     try:
-        for ids in contexts:
+        for ids in tqdm(contexts, desc=f"reconstruction at budget {budget}", unit="context", disable=not progress):
             exact, cache = _run_both(model, bases, config, ids)
             for i, layer in enumerate(cache.layers):
                 if isinstance(layer, VarRateLayer):
