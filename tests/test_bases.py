@@ -198,7 +198,7 @@ def test_oversized_config_is_refused_before_parsing(tmp_path):
 
 
 # fuzzing: random and mutated files give BasesError only, quickly -----------------------------------------
-FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 @FUZZ

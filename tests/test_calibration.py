@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import sys
 import types
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -292,3 +294,40 @@ def test_hf_varrate_calibrate_is_the_same_command(monkeypatch):
     demo = types.SimpleNamespace(main=lambda argv: seen.append(("demo", argv)))
     monkeypatch.setitem(sys.modules, "hf_varrate.demo", demo)
     assert top.main(["demo", "--fast"]) == 0 and seen[-1] == ("demo", ["--fast"])
+
+
+# the shipped bases, on the real default models (slow) -----------------------------------------------------
+SHIPPED = Path(__file__).resolve().parents[1] / "hub_assets"
+
+
+@pytest.mark.parametrize("name, fixture, layers", [
+    ("smollm2-135m-instruct", "smollm2", list(range(30))),
+    ("gemma-3-270m", "gemma3", [5, 11, 17]),
+])
+def test_shipped_bases_load_validate_and_record_their_quality(request, monkeypatch, name, fixture, layers):
+    model, _ = request.getfixturevalue(fixture)
+    monkeypatch.chdir(SHIPPED.parent)  # the path a fresh clone's README uses
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no model-id or shape complaint
+        cache = VarRateCache.from_pretrained(f"hub_assets/{name}", model=model)
+    try:
+        bases = cache.bases
+        assert bases.metadata["compressed_layers"] == layers and bases.rank == bases.metadata["width"]
+        assert (bases.metadata["stride"], bases.metadata["window"], bases.metadata["n_anchors"]) == (16, 64, 4)
+        quality = bases.metadata["quality"]
+        assert quality["budget"] == 0.2 and "held_out" in quality["data"]
+        assert quality["calibrated"]["keys"] < quality["identity"]["keys"]
+        assert f"{quality['calibrated']['keys']:.4f}" in (SHIPPED / name / "README.md").read_text()
+    finally:
+        unbind(model)
+
+
+def test_shipped_smollm2_bases_beat_identity_on_held_out_text(smollm2):
+    model, tokenizer = smollm2
+    bases = Bases.from_pretrained(SHIPPED / "smollm2-135m-instruct")
+    held_out = load_texts(split="held_out", seed=7)  # another order than the card's measurement
+    contexts = build_contexts(tokenizer, held_out.documents, 1, 1024)
+    calibrated = reconstruction_error(model, bases, contexts, budget=0.2)
+    identity = reconstruction_error(model, Bases.identity(model.config), contexts, budget=0.2)
+    assert calibrated.keys < 0.85 * identity.keys
+    assert calibrated.values < 0.9 * identity.values
