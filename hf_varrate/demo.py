@@ -16,16 +16,20 @@ from pathlib import Path
 
 import torch
 
+# (fact planted in the document, question, expected answer, start of the answer). The answer's start
+# is given so a 135M model answers in kind; every fact is answered correctly by the uncompressed model.
 FACTS = [
-    ("The secret code for the blue vault is 4729.", "What is the secret code for the blue vault?", "4729"),
+    ("The secret code for the blue vault is 4729105.", "What is the secret code for the blue vault?", "4729105",
+     "The secret code for the blue vault is"),
     ("The lighthouse keeper's parrot is named Captain Biscuit.", "What is the name of the lighthouse keeper's parrot?",
-     "Biscuit"),
-    ("The annual kite festival is held in the town of Marrowfield.", "In which town is the annual kite festival held?",
-     "Marrowfield"),
-    ("Professor Okonkwo's favourite fruit is the persimmon.", "What is Professor Okonkwo's favourite fruit?",
-     "persimmon"),
+     "Biscuit", "The lighthouse keeper's parrot is named"),
+    ("Dr. Amelia Rourke's favourite fruit is the persimmon.", "What is Dr. Amelia Rourke's favourite fruit?",
+     "persimmon", "Dr. Amelia Rourke's favourite fruit is the"),
+    ("The meeting with the architects is scheduled for Thursday.",
+     "On which day is the meeting with the architects scheduled?", "Thursday",
+     "The meeting with the architects is scheduled for"),
 ]
-DEPTHS = (0.1, 0.35, 0.6, 0.85)
+DEPTHS = (0.15, 0.4, 0.65, 0.9)
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -50,19 +54,20 @@ def plant(haystack: str, tokenizer, n_tokens: int, facts, depths, seed: int = 0)
     return text
 
 
-def chat_parts(tokenizer, document: str, question: str) -> tuple[list[int], list[int]]:
+def chat_parts(tokenizer, document: str, question: str, lead: str = "") -> tuple[list[int], list[int]]:
     """Token ids of (document prefix, question suffix) of one chat turn, tokenized separately so the
-    document's ids are a true prefix of every question's ids (never re-tokenize the joined string)."""
+    document's ids are a true prefix of every question's ids (never re-tokenize the joined string).
+    `lead` is put at the start of the assistant's answer."""
     marker = "\u2063QUESTION\u2063"
-    content = f"Read the document and answer the question with a few words.\n\n{document}\n\n{marker}"
+    content = f"Read the text below and answer the question.\n\n{document}\n\n{marker}"
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                              add_generation_prompt=True)
     prefix, suffix = rendered.split(marker)
     encode = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
-    return encode(prefix), encode(f"Question: {question}" + suffix)
+    return encode(prefix), encode(question + suffix + lead)
 
 
-def answer(model, tokenizer, cache, doc_ids, question_ids, max_new_tokens=16) -> tuple[str, float]:
+def answer(model, tokenizer, cache, doc_ids, question_ids, max_new_tokens=10) -> tuple[str, float]:
     """Greedy answer from a copy of `cache` (which holds the document); returns (text, seconds)."""
     ids = torch.tensor([doc_ids + question_ids])
     start = time.perf_counter()
@@ -90,10 +95,10 @@ def main(argv=None) -> int:
     print(f"[1/4] loading {args.model} ...", flush=True)
     model, tokenizer = load_default_model(args.model)
     if args.document:
-        document, questions = Path(args.document).read_text(), [(q, None) for q in args.question]
+        document, questions = Path(args.document).read_text(), [(q, None, "") for q in args.question]
     else:
-        document = plant(essay_text(), tokenizer, args.tokens, [f for f, _, _ in FACTS], DEPTHS)
-        questions = [(q, a) for _, q, a in FACTS] + [(q, None) for q in args.question]
+        document = plant(essay_text(), tokenizer, args.tokens, [fact[0] for fact in FACTS], DEPTHS)
+        questions = [(q, a, lead) for _, q, a, lead in FACTS] + [(q, None, "") for q in args.question]
     doc_ids = chat_parts(tokenizer, document, "")[0]
     print(f"[2/4] compressing the {len(doc_ids)}-token document once, with no question in it ...", flush=True)
     full = DynamicCache(config=model.config)
@@ -103,14 +108,14 @@ def main(argv=None) -> int:
     fp = cache.footprint()
     print("[3/4] answering each question from a copy of each cache ...", flush=True)
     rows, times, hits = [], [], 0
-    for question, expected in questions:
-        q_ids = chat_parts(tokenizer, document, question)[1]
+    for question, expected, lead in questions:
+        q_ids = chat_parts(tokenizer, document, question, lead)[1]
         reference, _ = answer(model, tokenizer, full, doc_ids, q_ids)
         compressed, seconds = answer(model, tokenizer, cache, doc_ids, q_ids)
         times.append(seconds)
         hit = expected is None or expected.lower() in compressed.lower()
         hits += hit
-        rows.append((question, reference, compressed, "ok" if hit else "MISS"))
+        rows.append((question, f"{lead} {reference}".strip(), f"{lead} {compressed}".strip(), "ok" if hit else "MISS"))
     print("[4/4] results\n")
     for question, reference, compressed, mark in rows:
         print(f"Q: {question}\n   uncompressed: {reference}\n   VarRate     : {compressed}   [{mark}]")
@@ -119,8 +124,9 @@ def main(argv=None) -> int:
     print(f"|---|---|---|---|---|---|")
     print(f"| {args.budget} | {fp.bytes / 2**20:.2f} MiB | {fp.fraction:.1%} of {fp.full_bytes / 2**20:.2f} MiB "
           f"| {t_full:.1f} s | {t_varrate:.1f} s ({overhead:+.0%}) | {sorted(times)[len(times) // 2]:.1f} s |")
-    print(f"\nplanted facts recovered from the compressed cache: {hits}/{len(rows)}")
-    return 0 if hits == len(rows) or args.document else 1
+    print(f"\nplanted facts recovered from the compressed cache: {hits}/{len(rows)} (budget {args.budget}, "
+          f"compressed once, before any question)")
+    return 1 if args.strict and hits < len(rows) else 0
 
 
 def _parser():
@@ -128,11 +134,12 @@ def _parser():
     p.add_argument("--model", default="smollm2-135m-instruct", help="a default model name (see hf_varrate.models)")
     p.add_argument("--bases", default=str(REPO_ROOT / "hub_assets" / "smollm2-135m-instruct"),
                    help="bases directory or Hub repo id")
-    p.add_argument("--budget", type=float, default=0.4, help="fraction of the full K/V bytes to keep")
-    p.add_argument("--tokens", type=int, default=3000, help="length of the default document in tokens")
+    p.add_argument("--budget", type=float, default=0.2, help="fraction of the full K/V bytes to keep")
+    p.add_argument("--tokens", type=int, default=2000, help="length of the default document in tokens")
     p.add_argument("--document", help="a text file to use as the document instead of the default")
     p.add_argument("--question", action="append", default=[], help="an extra question (repeatable)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--strict", action="store_true", help="exit 1 if a planted fact is missed")
     return p
 
 

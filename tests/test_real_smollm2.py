@@ -27,8 +27,8 @@ def bound_smollm2(smollm2):
 def doc(bound_smollm2):
     _, tokenizer = bound_smollm2
     text = plant(essay_text(), tokenizer, 1100, [FACTS[0][0]], [0.5])
-    doc_ids, q_ids = chat_parts(tokenizer, text, FACTS[0][1])
-    return doc_ids, q_ids, chat_parts(tokenizer, text, FACTS[1][1])[1]
+    doc_ids, q_ids = chat_parts(tokenizer, text, FACTS[0][1], FACTS[0][3])
+    return doc_ids, q_ids, chat_parts(tokenizer, text, FACTS[1][1], FACTS[1][3])[1]
 
 
 def generate(model, ids, cache, **kwargs):
