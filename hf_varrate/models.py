@@ -110,6 +110,8 @@ def load_default_model(
         folder, dtype=dtype, attn_implementation=attn_implementation
     )
     tokenizer = AutoTokenizer.from_pretrained(folder)
+    # Name the model as the Hub does, so bases can check which model they were calibrated on.
+    model.config._name_or_path = info.model_id
     return model.eval(), tokenizer
 
 
