@@ -1,0 +1,72 @@
+"""Reading a compressed cache: greedy answers and continuation NLL, as kvpress's pipeline does.
+
+Positions are explicit (the prompt's length, not the cache's: an evicting cache is shorter), the
+tail is fed in one forward, then greedy decoding until an EOS token or `max_new_tokens`. Every read
+works on a deep copy, so one compressed cache can serve several questions (query-agnostic reuse).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+import torch.nn.functional as F
+
+from .capture import attention_modules
+
+
+@contextlib.contextmanager
+def installed_masks(model, masks: dict | None):
+    """Put kvpress's masked_key_indices on the modules while this cache is read, then remove them."""
+    modules = attention_modules(model)
+    for module in modules:
+        module.masked_key_indices = (masks or {}).get(module.layer_idx)
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.masked_key_indices = None
+
+
+def stop_ids(model, tokenizer) -> set[int]:
+    ids = model.generation_config.eos_token_id
+    ids = set(ids if isinstance(ids, (list, tuple)) else [ids])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return {i for i in ids if i is not None}
+
+
+def greedy_answer(model, tokenizer, cache, masks, tail: list[int], start: int, max_new_tokens: int,
+                  copy_cache: bool = True) -> str:
+    """Greedy continuation of `tail` placed at position `start`, read from a copy of `cache` (or from `cache`
+    itself when `copy_cache` is False: the last read of a cache needs no copy, and quanto's quantized
+    tensors cannot be deep-copied)."""
+    cache = copy.deepcopy(cache) if copy_cache else cache
+    stops = stop_ids(model, tokenizer)
+    positions = torch.arange(start, start + len(tail))[None]
+    generated = []
+    with torch.no_grad(), installed_masks(model, masks):
+        out = model(input_ids=torch.tensor([tail]), past_key_values=cache, position_ids=positions, logits_to_keep=1)
+        token = int(out.logits[0, -1].argmax())
+        position = start + len(tail)
+        while True:
+            generated.append(token)
+            if token in stops or len(generated) >= max_new_tokens:
+                break
+            out = model(input_ids=torch.tensor([[token]]), past_key_values=cache,
+                        position_ids=torch.tensor([[position]]))
+            token, position = int(out.logits[0, -1].argmax()), position + 1
+    return tokenizer.decode(generated, skip_special_tokens=True).strip()
+
+
+def continuation_nll(model, cache, masks, continuation: list[int], start: int,
+                     copy_cache: bool = True) -> tuple[float, int]:
+    """Sum of NLL of continuation[1:] given the compressed prompt and continuation[:-1]; and the count."""
+    cache = copy.deepcopy(cache) if copy_cache else cache
+    ids = torch.tensor([continuation])
+    positions = torch.arange(start, start + len(continuation))[None]
+    with torch.no_grad(), installed_masks(model, masks):
+        logits = model(input_ids=ids, past_key_values=cache, position_ids=positions).logits[0, :-1].float()
+    nll = F.cross_entropy(logits, ids[0, 1:], reduction="sum")
+    return float(nll), len(continuation) - 1

@@ -1,0 +1,126 @@
+"""Peers from kvpress, run through kvpress's own code: SnapKV, Expected Attention, KVzip, ...
+
+A scorer press is replayed by calling its own `forward_hook` per full-attention layer with the
+kwargs the attention module would pass, inside `with press(model):` (kvpress's own setup:
+post_init_from_model, rotary embedding). Gemma-3's sliding layers are left alone, as VarRate leaves
+them. KVzip re-reads the context with the full model: we enter its context manager, hand it the
+context ids and the uncompressed cache its wrapped forward would have recorded, and it runs its
+reconstruction passes and masks the evicted entries (masked_key_indices, kvpress's simulated
+eviction); the masks are moved off the modules and re-installed only while this cache is read.
+`budget` is the fraction kept: compression_ratio = 1 - budget. `pin_last` gives KVzip the paper's
+64-token pin of the prompt's tail (the pin decides which entries are dropped, never how many).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import tempfile
+
+import torch
+
+from ..capture import attention_modules, clock, is_sliding
+from .base import Compressed, Context, Unsupported, dynamic_from_capture
+
+
+def press_class(name: str):
+    import kvpress
+
+    if name == "KVzipPress":
+        return pinned_kvzip_class()
+    if not hasattr(kvpress, name):
+        raise ValueError(f"press must name a kvpress press class (e.g. SnapKVPress), got {name!r}")
+    return getattr(kvpress, name)
+
+
+@functools.lru_cache(maxsize=1)
+def pinned_kvzip_class():
+    from kvpress import KVzipPress
+
+    class PinnedKVzipPress(KVzipPress):
+        pin_last: int = 0
+
+        def compress_post(self, model):
+            if self.compression_ratio > 0 and self.pin_last:
+                self.score_val[..., -self.pin_last :] = self.score_val.amax() + 1.0
+            super().compress_post(model)
+
+    return PinnedKVzipPress
+
+
+class KVPressMethod:
+    kind = "kvpress"
+
+    def __init__(self, name: str, spec: dict):
+        self.name, self.spec = name, spec
+        self.press_name = spec["press"]
+        self.options = dict(spec.get("options", {}))
+
+    def make_press(self):
+        cls = press_class(self.press_name)
+        press = cls(compression_ratio=round(1.0 - float(self.spec["budget"]), 6), **self.options)
+        if self.press_name == "KVzipPress":
+            press.pin_last = int(self.spec.get("pin_last", 0))
+        return press
+
+    def compress(self, ctx: Context) -> Compressed:
+        press = self.make_press()
+        start = clock()
+        cache = dynamic_from_capture(ctx.model, ctx.captured)
+        if self.press_name == "KVzipPress":
+            masks = replay_kvzip(press, ctx, cache)
+            return Compressed(cache, clock() - start, masks=masks)
+        replay_press(press, ctx, cache)
+        return Compressed(cache, clock() - start)
+
+
+def replay_press(press, ctx: Context, cache):
+    """Call `press.forward_hook` per full-attention layer as a live prefill would; returns `cache`."""
+    cap, length = ctx.captured, ctx.captured.length
+    with torch.no_grad(), press(ctx.model):
+        for i, module in enumerate(attention_modules(ctx.model)):
+            if is_sliding(ctx.model, i):
+                continue
+            kwargs = {"hidden_states": cap.hidden[i], "past_key_values": cache, "attention_mask": None,
+                      "cache_position": torch.arange(length), "position_embeddings": (cap.cos[i], cap.sin[i])}
+            press.forward_hook(module, [], kwargs, (None, None))
+    return cache
+
+
+def replay_kvzip(press, ctx: Context, cache) -> dict:
+    """Run KVzip's scoring passes on `cache`; return and clear the masks it leaves on the modules."""
+    modules = attention_modules(ctx.model)
+    try:
+        with torch.no_grad(), local_name_or_path(ctx.model, ctx.tokenizer), press(ctx.model):
+            press._context_ids = torch.tensor([ctx.ids])  # what its wrapped forward records
+            press._cache = cache
+    except ValueError as err:  # e.g. "KVzipPress is not supported for Gemma3ForCausalLM"
+        raise Unsupported(str(err)) from err
+    masks = {m.layer_idx: getattr(m, "masked_key_indices", None) for m in modules}
+    clear_masks(ctx.model)
+    return masks
+
+
+@functools.lru_cache(maxsize=4)
+def _saved_tokenizer(tokenizer) -> str:
+    folder = tempfile.mkdtemp(prefix="evaluation-tokenizer-")
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@contextlib.contextmanager
+def local_name_or_path(model, tokenizer):
+    """KVzip reloads the tokenizer from model.config.name_or_path; our models are named by their Hub id
+    (offline here), so point it at a local copy of the same tokenizer while it runs."""
+    original = model.config._name_or_path
+    model.config._name_or_path = _saved_tokenizer(tokenizer)
+    try:
+        yield
+    finally:
+        model.config._name_or_path = original
+
+
+def clear_masks(model):
+    for module in attention_modules(model):
+        if getattr(module, "masked_key_indices", None) is not None:
+            module.masked_key_indices = None

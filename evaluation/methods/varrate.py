@@ -1,0 +1,107 @@
+"""VarRate through the library's own path: a VarRateCache fed layer by layer.
+
+For each full-attention layer we call the library's prefill hook exactly as a bound attention
+module would (it computes the window queries from the layer's input, cos/sin and the module), then
+`cache.update(keys, values)`, which compresses. `impl: press` runs hf_varrate.press.VarRatePress
+(the kvpress adapter) instead, through kvpress's forward_hook. Any VarRateConfig field may be given
+in the method spec (budget, signal, allocation, r_min, stride, ...), so new codec options need no
+harness change.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from hf_varrate import Bases, VarRateCache, VarRateConfig
+from hf_varrate.binding import _capture_prefill
+
+from ..capture import attention_modules, clock, is_sliding
+from .base import Compressed, Context, dynamic_from_capture
+
+REPO = Path(__file__).resolve().parents[2]
+NOT_CONFIG = {"kind", "bases", "impl"}
+
+
+def hub_assets() -> Path:
+    """Where the shipped bases live: this repo's hub_assets/, or $HF_VARRATE_HUB_ASSETS."""
+    return Path(os.environ.get("HF_VARRATE_HUB_ASSETS", REPO / "hub_assets"))
+
+
+def resolve_bases(model, model_name: str, which: str) -> Bases:
+    """'identity', 'shipped' (hub_assets/<model>/) or a directory / Hub repo id."""
+    if which == "identity":
+        return Bases.identity(model.config)
+    path = hub_assets() / model_name if which == "shipped" else which
+    bases = Bases.from_pretrained(str(path))
+    bases.validate(model.config)
+    return bases
+
+
+class VarRateMethod:
+    kind = "varrate"
+
+    def __init__(self, name: str, spec: dict):
+        self.name, self.spec = name, spec
+        self.overrides = {k: v for k, v in spec.items() if k not in NOT_CONFIG}
+        self.impl = spec.get("impl", "cache")
+        self._bases: dict[str, Bases] = {}
+
+    def config_for(self, bases: Bases) -> VarRateConfig:
+        """Calibrated stride/window/n_anchors from the bases, as VarRateCache.from_pretrained does."""
+        calibrated = {k: bases.metadata[k] for k in ("stride", "window", "n_anchors") if k in bases.metadata}
+        return VarRateConfig.from_dict({**calibrated, **self.overrides})
+
+    def bases(self, ctx: Context, default: str) -> Bases:
+        which = self.spec.get("bases", default)
+        if which not in self._bases:
+            self._bases[which] = resolve_bases(ctx.model, ctx.model_name, which)
+        return self._bases[which]
+
+    def compress(self, ctx: Context, default_bases: str = "shipped") -> Compressed:
+        bases = self.bases(ctx, default_bases)
+        config = self.config_for(bases)
+        start = clock()
+        if self.impl == "press":
+            from .kvpress_methods import replay_press
+            from hf_varrate.press import VarRatePress
+
+            press = VarRatePress(bases=bases, config=config)
+            cache = replay_press(press, ctx, dynamic_from_capture(ctx.model, ctx.captured))
+            seconds = clock() - start
+            return Compressed(cache, seconds, extra={"stored_bytes": press.layer_bytes()})
+        cache = VarRateCache(bases, config, model_config=ctx.model.config)
+        cap = ctx.captured
+        with torch.no_grad():
+            for i, module in enumerate(attention_modules(ctx.model)):
+                if not is_sliding(ctx.model, i):
+                    kwargs = {"hidden_states": cap.hidden[i], "position_embeddings": (cap.cos[i], cap.sin[i]),
+                              "past_key_values": cache, "attention_mask": None}
+                    _capture_prefill(module, (), kwargs)
+                cache.update(cap.keys[i], cap.values[i], i)
+        seconds = clock() - start
+        extra = {**rank_diagnostics(cache), "bases": self.spec.get("bases", default_bases),
+                 "bases_sha256": str(bases.metadata.get("sha256", ""))[:12]}
+        return Compressed(cache, seconds, extra=extra)
+
+
+def rank_diagnostics(cache) -> dict:
+    """Mean allocated rank of coded tokens by position decile (the paper's Figure 7), share at the floor."""
+    sums, counts = torch.zeros(10, dtype=torch.float64), torch.zeros(10, dtype=torch.float64)
+    at_floor = coded = exact_layers = 0
+    for layer in cache.layers:
+        for code in getattr(layer, "codes", []):
+            if code.stored_exactly:
+                exact_layers += 1
+                continue
+            decile = (code.coded_pos.cpu() * 10 // code.seq_len).clamp(max=9)
+            ranks = code.ranks.long().cpu().double()
+            sums.index_add_(0, decile, ranks)
+            counts.index_add_(0, decile, torch.ones_like(ranks))
+            at_floor += int((ranks <= cache.config.r_min).sum())
+            coded += ranks.numel()
+    mean = [round(s / c, 2) if c else None for s, c in zip(sums.tolist(), counts.tolist())]  # None: no coded token
+    return {"rank_by_decile": mean, "floor_share": at_floor / coded if coded else None,
+            "layers_stored_exactly": exact_layers}

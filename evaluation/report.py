@@ -1,0 +1,132 @@
+"""Tables from examples.jsonl: per-cell scores with CIs, footprints, costs, and paired comparisons.
+
+A cell is (model, task, length, regime); scores are RULER's per-example match in percent, or for
+perplexity tasks the per-example mean NLL (reported as PPL = exp(mean NLL)). Comparisons pair two
+methods on the examples both completed; for NLL, a positive difference means the first is better.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections import defaultdict
+from statistics import median
+
+import numpy as np
+
+from .stats import bootstrap_mean_ci, paired_comparison
+
+CELL = ("model", "task", "length", "regime")
+
+
+def cells(rows: list[dict]) -> dict[tuple, dict[str, dict[str, dict]]]:
+    """cell -> method -> example_id -> row."""
+    out: dict = defaultdict(lambda: defaultdict(dict))
+    for row in rows:
+        out[tuple(row[k] for k in CELL)][row["method"]][row["example_id"]] = row
+    return out
+
+
+def summarize(rows: list[dict], samples: int = 20_000) -> list[dict]:
+    table = []
+    for cell, methods in sorted(cells(rows).items(), key=lambda kv: tuple(map(str, kv[0]))):
+        for method, by_id in methods.items():
+            rs = list(by_id.values())
+            scores = np.array([r["score"] for r in rs], dtype=float)
+            nll = rs[0]["metric"] == "nll"
+            low, high = bootstrap_mean_ci(scores, samples=samples)
+            scale = (lambda x: math.exp(x)) if nll else (lambda x: 100 * x)  # noqa: E731
+            table.append({
+                **dict(zip(CELL, cell)), "method": method, "kind": rs[0]["kind"], "budget": rs[0].get("budget"),
+                "n": len(rs), "metric": "ppl" if nll else "score",
+                "value": scale(float(scores.mean())), "ci_low": scale(low), "ci_high": scale(high),
+                "fraction": float(np.mean([r["fraction"] for r in rs])),
+                "fraction_full_attention": float(np.mean([r["fraction_full_attention"] for r in rs])),
+                "bytes": float(np.mean([r["bytes"] for r in rs])),
+                "cost": median(r["cost"] for r in rs),
+                "prompt_tokens": float(np.mean([r["prompt_tokens"] for r in rs])),
+            })
+    return table
+
+
+def compare(rows: list[dict], pairs: list[list[str]], samples: int = 20_000) -> list[dict]:
+    out = []
+    for cell, methods in sorted(cells(rows).items(), key=lambda kv: tuple(map(str, kv[0]))):
+        for a, b in pairs:
+            if a not in methods or b not in methods:
+                continue
+            ids = sorted(set(methods[a]) & set(methods[b]))
+            if not ids:
+                continue
+            nll = methods[a][ids[0]]["metric"] == "nll"
+            sa = [methods[a][i]["score"] for i in ids]
+            sb = [methods[b][i]["score"] for i in ids]
+            result = paired_comparison(sb, sa, samples=samples) if nll else paired_comparison(
+                [100 * x for x in sa], [100 * x for x in sb], samples=samples)
+            out.append({**dict(zip(CELL, cell)), "a": a, "b": b, "unit": "nll" if nll else "points",
+                        **result.to_dict()})
+    return out
+
+
+def progress(rows: list[dict], config) -> list[dict]:
+    """Planned vs completed examples per (stage cell, method): what is not yet run."""
+    done: dict = defaultdict(set)
+    for row in rows:
+        done[(row["model"], row["task"], row["length"], row["regime"], row["method"])].add(row["example_id"])
+    out = []
+    for stage in config.stages:
+        for task in stage.tasks:
+            regimes = ["query_agnostic"] if task.startswith("ppl") else stage.regimes
+            for length in stage.lengths:
+                for regime in regimes:
+                    for method in stage.methods:
+                        n = len(done[(stage.model, task, length, regime, method)])
+                        out.append({"model": stage.model, "task": task, "length": length, "regime": regime,
+                                    "method": method, "planned": stage.n, "done": n})
+    return out
+
+
+def write_csv(path, rows: list[dict]) -> None:
+    if not rows:
+        path.write_text("")
+        return
+    fields = list(dict.fromkeys(k for r in rows for k in r))
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def markdown_summary(table: list[dict]) -> str:
+    lines = ["| model | task | length | regime | method | n | score / PPL [95% CI] | footprint | cost vs prefill |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in table:
+        lines.append(f"| {r['model']} | {r['task']} | {r['length']} | {r['regime']} | {r['method']} | {r['n']} | "
+                     f"{r['value']:.2f} [{r['ci_low']:.2f}, {r['ci_high']:.2f}] | {_fraction(r)} | {r['cost']:.2f}x |")
+    return "\n".join(lines)
+
+
+def markdown_comparisons(comparisons: list[dict]) -> str:
+    lines = ["| model | task | length | regime | A vs B | n | mean diff [95% CI] | W/L/T | sign p | verdict |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for c in comparisons:
+        lines.append(f"| {c['model']} | {c['task']} | {c['length']} | {c['regime']} | {c['a']} vs {c['b']} | {c['n']} | "
+                     f"{c['mean_diff']:+.3f} [{c['ci_low']:+.3f}, {c['ci_high']:+.3f}] {c['unit']} | "
+                     f"{c['wins']}/{c['losses']}/{c['ties']} | {c['sign_p']:.3g} | {c['verdict']} |")
+    return "\n".join(lines)
+
+
+def markdown_progress(progress_rows: list[dict]) -> str:
+    missing = [p for p in progress_rows if p["done"] < p["planned"]]
+    if not missing:
+        return "Every planned cell is complete."
+    lines = ["| model | task | length | regime | method | done / planned |", "|---|---|---|---|---|---|"]
+    lines += [f"| {p['model']} | {p['task']} | {p['length']} | {p['regime']} | {p['method']} | "
+              f"{p['done']} / {p['planned']} |" for p in missing]
+    return "\n".join(lines)
+
+
+def _fraction(r: dict) -> str:
+    if abs(r["fraction"] - r["fraction_full_attention"]) < 1e-6:
+        return f"{100 * r['fraction']:.2f}%"
+    return f"{100 * r['fraction']:.2f}% ({100 * r['fraction_full_attention']:.2f}% of global layers)"

@@ -1,0 +1,244 @@
+"""The evaluation harness: statistics against hand-computed cases (any venv), the VarRatePress
+import contract (any venv), and, where kvpress is installed (.venv-eval: kvpress pins
+transformers < 5.3), replay-vs-live equivalence of every method kind and the smoke config."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from evaluation.stats import bootstrap_mean_ci, paired_comparison, sign_test
+
+HAS_KVPRESS = importlib.util.find_spec("kvpress") is not None
+needs_kvpress = pytest.mark.skipif(not HAS_KVPRESS, reason="kvpress is not installed (it pins transformers < 5.3): "
+                                   "run in .venv-eval (make eval-venv)")
+REPO = Path(__file__).resolve().parents[1]
+
+
+# statistics -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("wins, losses, expected", [
+    (8, 2, 2 * (1 + 10 + 45) / 1024),  # 2 * P(X <= 2), X ~ Bin(10, 1/2)
+    (5, 0, 2 / 32),
+    (3, 3, 1.0),  # 2 * 42/64 > 1, capped
+    (0, 0, 1.0),  # no untied pairs: no evidence
+    (1, 12, 2 * (1 + 13) / 8192),
+])
+def test_sign_test_matches_hand_computed(wins, losses, expected):
+    assert sign_test(wins, losses) == pytest.approx(expected, rel=1e-12)
+
+
+def test_bootstrap_ci_matches_exact_enumeration():
+    # d = [0, 0, 1]: the resampled mean is k/3 with k ~ Bin(3, 1/3): P = 8/27, 12/27, 6/27, 1/27.
+    # 2.5th percentile: 0 (P(0) > 2.5%); 97.5th: 1 (P(mean <= 2/3) = 26/27 < 97.5%).
+    assert bootstrap_mean_ci([0, 0, 1]) == (0.0, 1.0)
+    # d = [0, 1]: means 0, 1/2, 1 with P = 1/4, 1/2, 1/4.
+    assert bootstrap_mean_ci([0, 1]) == (0.0, 1.0)
+
+
+def test_bootstrap_ci_of_constant_and_seeded():
+    assert bootstrap_mean_ci([2.5] * 7) == (2.5, 2.5)
+    data = [0, 1, 1, 0, 1, 1, 1, 0, 1, 1]
+    assert bootstrap_mean_ci(data, seed=3) == bootstrap_mean_ci(data, seed=3)
+    low, high = bootstrap_mean_ci(data)
+    assert low < 0.7 < high and 0.3 <= low and high <= 1.0
+
+
+def test_paired_comparison_counts_and_verdict():
+    result = paired_comparison([1, 1, 1, 0], [0, 0, 0, 0])
+    assert (result.n, result.wins, result.losses, result.ties) == (4, 3, 0, 1)
+    assert result.mean_diff == 0.75 and result.sign_p == pytest.approx(0.25)
+    assert result.ci_low == 0.25 and result.ci_high == 1.0  # resamples of 4 with >= one 1 w.p. 1-(1/4)^4
+    assert result.significant and result.verdict == "better"
+    tie = paired_comparison([1, 0, 1, 0], [0, 1, 0, 1])
+    assert tie.mean_diff == 0 and tie.verdict == "tie" and not tie.significant
+    worse = paired_comparison([0] * 30, [1] * 30)
+    assert worse.verdict == "worse" and worse.sign_p == pytest.approx(2 / 2**30)
+    with pytest.raises(ValueError, match="same shape"):
+        paired_comparison([1, 2], [1])
+
+
+def test_paired_comparison_empty_is_nan():
+    result = paired_comparison([], [])
+    assert result.n == 0 and math.isnan(result.mean_diff) and result.verdict == "tie"
+
+
+# VarRatePress import contract -----------------------------------------------------------------------
+def test_press_module_imports_without_kvpress_and_names_the_install(monkeypatch):
+    import sys
+
+    import hf_varrate.press as press_module
+
+    assert "kvpress" not in sys.modules or HAS_KVPRESS  # importing the module imported no kvpress
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "kvpress" else real(name, *a))
+    with pytest.raises(ImportError, match="pip install kvpress"):
+        press_module.VarRatePress(bases=None)
+
+
+# replay == live (needs kvpress) ----------------------------------------------------------------------
+def _prompt(tokenizer, n=300):
+    from hf_varrate.demo import essay_text
+
+    return tokenizer(essay_text()[: n * 8], add_special_tokens=False)["input_ids"][:n]
+
+
+def _context(model, tokenizer, ids, name="smollm2-135m-instruct"):
+    from evaluation.capture import capture
+    from evaluation.methods import Context
+
+    return Context(model, tokenizer, name, capture(model, ids), ids)
+
+
+@pytest.mark.eval
+@needs_kvpress
+def test_varrate_replay_equals_live_prefill(smollm2):
+    from hf_varrate import Bases, VarRateCache, VarRateConfig, bound
+    from evaluation.methods import make_method
+
+    model, tokenizer = smollm2
+    ids = _prompt(tokenizer)
+    replay = make_method("v", {"kind": "varrate", "budget": 0.3, "bases": "identity"}).compress(
+        _context(model, tokenizer, ids)).cache
+    live = VarRateCache(Bases.identity(model.config), VarRateConfig(budget=0.3), model_config=model.config)
+    with bound(model), torch.no_grad():
+        model.model(input_ids=torch.tensor([ids]), past_key_values=live)
+    for a, b in zip(replay.layers, live.layers):
+        torch.testing.assert_close(a.keys, b.keys, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(a.values, b.values, atol=2e-5, rtol=1e-4)
+    assert replay.footprint().bytes == live.footprint().bytes
+
+
+@pytest.mark.eval
+@needs_kvpress
+def test_varrate_replay_on_gemma3_keeps_sliding_layers(tiny_gemma3):
+    from hf_varrate import Bases, VarRateCache, VarRateConfig, bound
+    from evaluation.methods import make_method
+
+    model = tiny_gemma3
+    ids = list(range(2, 98))
+    replay = make_method("v", {"kind": "varrate", "budget": 0.5, "bases": "identity", "stride": 8, "window": 8,
+                               "obs_window": 8}).compress(_context(model, None, ids, "tiny")).cache
+    live = VarRateCache(Bases.identity(model.config), VarRateConfig(budget=0.5, stride=8, window=8, obs_window=8),
+                        model_config=model.config)
+    with bound(model), torch.no_grad():
+        model.model(input_ids=torch.tensor([ids]), past_key_values=live)
+    for a, b in zip(replay.layers, live.layers):
+        assert type(a) is type(b)
+        torch.testing.assert_close(a.keys, b.keys, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.eval
+@needs_kvpress
+@pytest.mark.parametrize("press_name", ["SnapKVPress", "ExpectedAttentionPress"])
+def test_kvpress_replay_equals_live_prefill(smollm2, press_name):
+    import kvpress
+    from transformers import DynamicCache
+
+    from evaluation.methods import make_method
+
+    model, tokenizer = smollm2
+    ids = _prompt(tokenizer)
+    replay = make_method("p", {"kind": "kvpress", "press": press_name, "budget": 0.3}).compress(
+        _context(model, tokenizer, ids)).cache
+    live = DynamicCache()
+    with getattr(kvpress, press_name)(compression_ratio=0.7)(model), torch.no_grad():
+        model.model(input_ids=torch.tensor([ids]), past_key_values=live)
+    for a, b in zip(replay.layers, live.layers):
+        torch.testing.assert_close(a.keys, b.keys, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.eval
+@needs_kvpress
+def test_kvzip_replay_masks_equal_live(smollm2):
+    from transformers import DynamicCache
+
+    from evaluation.capture import attention_modules
+    from evaluation.methods import make_method
+    from evaluation.methods.kvpress_methods import clear_masks, local_name_or_path, pinned_kvzip_class
+
+    model, tokenizer = smollm2
+    ids = _prompt(tokenizer, 300)  # the 64-token pin must fit in the budget: 64 < 0.5 * 300
+    replay = make_method("z", {"kind": "kvpress", "press": "KVzipPress", "budget": 0.5, "pin_last": 64}).compress(
+        _context(model, tokenizer, ids))
+    press = pinned_kvzip_class()(compression_ratio=0.5)
+    press.pin_last = 64
+    with local_name_or_path(model, tokenizer), press(model), torch.no_grad():
+        model.model(input_ids=torch.tensor([ids]), past_key_values=DynamicCache())
+    live = {m.layer_idx: m.masked_key_indices for m in attention_modules(model)}
+    clear_masks(model)
+    for i, mask in live.items():
+        assert all(torch.equal(x, y) for x, y in zip(mask, replay.masks[i]))
+        assert not (mask[2] >= len(ids) - 64).any()  # the pin holds
+    assert all(m.masked_key_indices is None for m in attention_modules(model))
+
+
+@pytest.mark.eval
+@needs_kvpress
+def test_kivi_replay_equals_live_and_is_counted_in_real_bytes(smollm2):
+    from transformers import QuantizedCache
+
+    from evaluation.footprint import per_layer_bytes
+    from evaluation.methods import make_method
+
+    model, tokenizer = smollm2
+    ids = _prompt(tokenizer)
+    replay = make_method("k", {"kind": "kivi", "nbits": 2}).compress(_context(model, tokenizer, ids)).cache
+    live = QuantizedCache(backend="quanto", config=model.config, nbits=2)
+    with torch.no_grad():
+        model.model(input_ids=torch.tensor([ids]), past_key_values=live)
+    for a, b in zip(replay.layers, live.layers):
+        torch.testing.assert_close(a._dequantize(a._quantized_keys), b._dequantize(b._quantized_keys))
+    # 2-bit codes (1/16 of fp32) + an fp32 scale and shift per group of 64: (0.25 + 8/64) / 4 = 9.375%
+    full = len(ids) * 2 * 3 * 64 * 4 * len(live.layers)
+    assert sum(per_layer_bytes(replay)) / full == pytest.approx(0.09375, rel=1e-6)
+
+
+@pytest.mark.eval
+@needs_kvpress
+def test_varrate_press_in_kvpress_pipeline_matches_varrate_cache(smollm2):
+    from transformers import pipeline
+
+    from hf_varrate import Bases, VarRateCache, VarRateConfig, bound
+    from hf_varrate.press import VarRatePress
+
+    model, tokenizer = smollm2
+    context = tokenizer.decode(_prompt(tokenizer, 250))
+    press = VarRatePress(Bases.identity(model.config), VarRateConfig(budget=0.5))
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)
+    answer = pipe(context, question="What is this text about?", press=press, max_new_tokens=8)["answer"]
+    assert isinstance(answer, str) and answer
+    ids = pipe.preprocess(context, [""], "", 10**6)["context_ids"]
+    cache = VarRateCache(Bases.identity(model.config), VarRateConfig(budget=0.5), model_config=model.config)
+    with bound(model), torch.no_grad():
+        model.model(input_ids=ids, past_key_values=cache)
+    assert sum(press.layer_bytes().values()) == cache.footprint().bytes
+
+
+@pytest.mark.eval
+@needs_kvpress
+def test_smoke_config_runs_end_to_end(tmp_path):
+    from evaluation.run import main
+
+    assert main(["--config", str(REPO / "evaluation/configs/smoke.yaml"), "--out", str(tmp_path)]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "examples.jsonl").read_text().splitlines()]
+    progress = (tmp_path / "progress.csv").read_text().splitlines()
+    assert rows and all(line.endswith(",1,1") for line in progress[1:]), "a planned cell was not run"
+    by = {(r["example_id"], r["regime"], r["method"]): r for r in rows}
+    for (example, regime, method), row in by.items():
+        assert 0.0 <= row["fraction"] <= 1.0 and row["cost"] >= 1.0
+        if method == "full":
+            assert row["fraction"] == 1.0
+        if method.endswith("@0.3"):
+            assert row["fraction"] == pytest.approx(0.3, abs=0.01)
+        if method == "varrate-press@0.3":  # the kvpress adapter and the cache are the same codec
+            twin = by[(example, regime, "varrate@0.3")]
+            assert (row["prediction"], row["bytes"]) == (twin["prediction"], twin["bytes"])
+    assert {r["regime"] for r in rows if r["task"] == "ppl_wiki"} == {"query_agnostic"}
+    for name in ("summary.md", "summary.csv", "comparisons.csv", "run_info.json"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert len(list((tmp_path / "plots").glob("*.png"))) >= 4
