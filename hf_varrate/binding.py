@@ -82,13 +82,18 @@ def _capture_prefill(module, args, kwargs):
     from .cache import VarRateCache, VarRateLayer
 
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    if not isinstance(cache, VarRateCache) or module.layer_idx >= len(cache.layers):
+    if not isinstance(cache, VarRateCache):
         return None
-    layer = cache.layers[module.layer_idx]
-    if not isinstance(layer, VarRateLayer) or not layer.awaits_prefill:
-        return None
+    check_fits(cache.model_shape, module.layer_idx,
+               num_layers=getattr(getattr(module, "config", None), "num_hidden_layers", None))
     hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-    if hidden.shape[1] <= 1:
+    if hidden.shape[1] == 0:  # the attention would fail on a reshape; say what is wrong instead
+        raise ValueError(
+            f"VarRateCache got a forward with 0 tokens (hidden_states of shape {tuple(hidden.shape)}): there is "
+            f"nothing to compress or attend to; pass at least one token (e.g. the tokenizer's BOS token)"
+        )
+    layer = cache.layers[module.layer_idx]
+    if not isinstance(layer, VarRateLayer) or not layer.awaits_prefill or hidden.shape[1] <= 1:
         return None
     cos, sin = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]
     window = min(layer.config.obs_window, hidden.shape[1])
@@ -97,6 +102,30 @@ def _capture_prefill(module, args, kwargs):
     valid = key_padding(kwargs.get("attention_mask"), hidden.shape[0], hidden.shape[1])
     layer.prefill_context = PrefillContext(queries, cos, sin, attention_scale(module), valid)
     return None
+
+
+def check_fits(shape, layer_idx: int, *, num_layers: int | None = None, num_kv_heads: int | None = None,
+               head_dim: int | None = None) -> None:
+    """Raise ValueError unless what a forward brings fits the model a VarRateCache was built for.
+
+    A cache holds one model's K/V: another model's would crash on a shape deep inside attention, or
+    (same shapes, fewer layers) silently attend to keys it never computed. `shape` is a `ModelShape`.
+    """
+    seen = {"num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
+    for name, value in seen.items():
+        expected = getattr(shape, name)
+        if value is not None and value != expected:
+            raise ValueError(
+                f"this VarRateCache was built for a model with {name}={expected} but is used (layer {layer_idx}) "
+                f"by a model with {name}={value}; a cache holds one model's K/V: build a new cache for this "
+                f"model with VarRateCache.from_pretrained(bases, model=model)"
+            )
+    if not 0 <= layer_idx < shape.num_layers:
+        raise ValueError(
+            f"layer_idx must be in [0, {shape.num_layers}) for this VarRateCache, got {layer_idx}: the model "
+            f"has more layers than the one the cache was built for; build a new cache for this model with "
+            f"VarRateCache.from_pretrained(bases, model=model)"
+        )
 
 
 def window_queries(module, hidden, cos, sin, window: int) -> torch.Tensor:

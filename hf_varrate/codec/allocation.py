@@ -69,8 +69,15 @@ def _round_to_total(real: torch.Tensor, total: int, r_max: int) -> torch.Tensor:
 
 
 def _check_total(total: int, count: int, r_min: int, r_max: int) -> None:
+    if r_min > r_max:
+        raise ValueError(
+            f"r_min must be <= the rank cap R, got r_min={r_min} and R={r_max} (R is the smallest of "
+            f"VarRateConfig.rank, the basis rank and D = 2*H*d); lower r_min to at most {r_max} or use a basis of "
+            f"higher rank"
+        )
     if not count * r_min <= total <= count * r_max:
         raise ValueError(
             f"total rank must be in [{count * r_min}, {count * r_max}] for {count} tokens with ranks in "
-            f"[{r_min}, {r_max}], got {total}"
+            f"[{r_min}, {r_max}], got {total}; clip it to that range (the caller decides what an infeasible "
+            f"budget means: VarRateCache stores such a prompt exactly)"
         )
