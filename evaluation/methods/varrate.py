@@ -83,8 +83,15 @@ class VarRateMethod:
                 cache.update(cap.keys[i], cap.values[i], i)
         seconds = clock() - start
         extra = {**rank_diagnostics(cache), "bases": self.spec.get("bases", default_bases),
-                 "bases_sha256": str(bases.metadata.get("sha256", ""))[:12]}
+                 "bases_sha256": _weights_sha(bases)}
         return Compressed(cache, seconds, extra=extra)
+
+
+def _weights_sha(bases: Bases) -> str | None:
+    """The first 12 hex digits of the bases tensor file's sha256 (identity bases: None)."""
+    sha = bases.metadata.get("sha256")
+    sha = sha.get("bases.safetensors") if isinstance(sha, dict) else sha
+    return str(sha)[:12] if sha else None
 
 
 def rank_diagnostics(cache) -> dict:
