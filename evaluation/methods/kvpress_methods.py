@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import tempfile
 
 import torch
@@ -77,7 +78,7 @@ class KVPressMethod:
 def replay_press(press, ctx: Context, cache):
     """Call `press.forward_hook` per full-attention layer as a live prefill would; returns `cache`."""
     cap, length = ctx.captured, ctx.captured.length
-    with torch.no_grad(), press(ctx.model):
+    with torch.no_grad(), press(ctx.model), layer_typed_rotary(ctx.model):
         for i, module in enumerate(attention_modules(ctx.model)):
             if is_sliding(ctx.model, i):
                 continue
@@ -85,6 +86,34 @@ def replay_press(press, ctx: Context, cache):
                       "cache_position": torch.arange(length), "position_embeddings": (cap.cos[i], cap.sin[i])}
             press.forward_hook(module, [], kwargs, (None, None))
     return cache
+
+
+class _LayerTypedRotary(torch.nn.Module):
+    """`rotary(x, position_ids)` for a model whose rotary embedding also wants the layer's type."""
+
+    def __init__(self, rotary, layer_type: str):
+        super().__init__()
+        self.rotary, self.layer_type = rotary, layer_type
+
+    def forward(self, x, position_ids):
+        return self.rotary(x, position_ids, layer_type=self.layer_type)
+
+
+@contextlib.contextmanager
+def layer_typed_rotary(model):
+    """Compatibility shim, not a change of method: kvpress 0.5.5 presses (Expected Attention) call
+    `module.rotary_emb(x, position_ids)`, but transformers 5.2's Gemma-3 rotary embedding needs
+    `layer_type=` (else: no attribute 'None_inv_freq'). Pass each module its own layer type."""
+    modules = [m for m in attention_modules(model) if getattr(m, "layer_type", None) is not None
+               and hasattr(m, "rotary_emb") and "layer_type" in inspect.signature(m.rotary_emb.forward).parameters]
+    originals = [m.rotary_emb for m in modules]
+    for module in modules:
+        module.rotary_emb = _LayerTypedRotary(module.rotary_emb, module.layer_type)
+    try:
+        yield
+    finally:
+        for module, original in zip(modules, originals):
+            module.rotary_emb = original
 
 
 def replay_kvzip(press, ctx: Context, cache) -> dict:
