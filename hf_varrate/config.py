@@ -14,6 +14,9 @@ from typing import Any
 SIGNALS = ("snapkv", "uniform", "random", "shuffle", "position")
 ALLOCATIONS = ("waterfill", "topk")
 STORAGES = ("materialized", "compact")
+IMPLEMENTATIONS = ("fast", "reference")
+COEF_BITS = (None, 3, 4, 8)
+QUANTIZED_BUDGETS = ("same_ranks", "same_bytes")
 
 
 @dataclass
@@ -47,7 +50,31 @@ class VarRateConfig:
     )
     storage: str = field(
         default="materialized",
-        metadata={"help": "'materialized' (reconstruct once) or 'compact' (keep codes, reconstruct per read)."},
+        metadata={
+            "help": "'materialized' (reconstruct the prompt once at the prefill and hold full-length K/V, as the "
+            "paper does: fastest decoding) or 'compact' (hold only the codes and exact tokens, reconstruct a "
+            "layer's K/V at each read: the cache really takes the footprint fraction of memory)."
+        },
+    )
+    coef_bits: int | None = field(
+        default=None,
+        metadata={"help": "Quantize coefficients to 3, 4 or 8 bits, group-wise (Section 3.3, App. A.4); None keeps "
+                  "them in the model's dtype."},
+    )
+    coef_group: int = field(
+        default=32, metadata={"help": "Coefficients per quantization group (each group stores an fp16 min and step)."}
+    )
+    quantized_budget: str = field(
+        default="same_ranks",
+        metadata={
+            "help": "With coef_bits: 'same_ranks' allocates ranks as for unquantized coefficients and stores fewer "
+            "bytes (paper, App. A.4); 'same_bytes' holds the byte budget and spends the saving on rank."
+        },
+    )
+    implementation: str = field(
+        default="fast",
+        metadata={"help": "'fast' (rank-blocked matmuls, row gathers) or 'reference' (the plain path it is tested "
+                  "against)."},
     )
     distance_chunk: int = field(
         default=1024, metadata={"help": "Coded tokens per chunk of the fp32 anchor-distance computation."}
@@ -75,6 +102,12 @@ class VarRateConfig:
         _check_choice("signal", self.signal, SIGNALS)
         _check_choice("allocation", self.allocation, ALLOCATIONS)
         _check_choice("storage", self.storage, STORAGES)
+        if self.coef_bits is not None:
+            _check_int("coef_bits", self.coef_bits, 1)
+        _check_choice("coef_bits", self.coef_bits, COEF_BITS)
+        _check_int("coef_group", self.coef_group, 1)
+        _check_choice("quantized_budget", self.quantized_budget, QUANTIZED_BUDGETS)
+        _check_choice("implementation", self.implementation, IMPLEMENTATIONS)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -107,7 +140,9 @@ def _check_range(name, value, low, high, *, low_open=False, fix=""):
 
 def _check_int(name, value, minimum):
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        default = VarRateConfig.__dataclass_fields__[name].default
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}; use e.g. {name}={default} "
+                         f"(the default)")
 
 
 def _check_choice(name, value, choices):

@@ -1,17 +1,20 @@
 """The VarRate codec as pure tensor functions, one stage per module (Algorithm 1)."""
 
 from .allocation import topk_ranks, waterfill_ranks
-from .anchors import anchor_means, anchor_positions, exact_mask, nearest_anchors, residuals
-from .joint import join_kv, split_kv
+from .anchors import anchor_means, anchor_positions, exact_mask, gather_means, nearest_anchors, nearest_anchors_mm, residuals
+from .joint import join_kv, joint_rows, split_kv
 from .packing import PromptCode
-from .pipeline import coefficient_budget, decode_prompt, encode_prompt
-from .projection import decode, encode, pack, unpack
-from .rope import rotate_keys, unrotate_keys
+from .pipeline import coef_values, coefficient_budget, compress_prompt, decode_prompt, encode_prompt
+from .projection import RankOrder, decode, decode_blocks, encode, encode_blocks, pack, rank_order, unpack
+from .quantization import QuantizedCoefs, dequantize, quantize
+from .rope import rope_tables, rotate_keys, rotate_rows, sample_positions, unrotate_keys, unrotate_rows
 from .salience import coded_salience, minmax, pool_scores, snapkv_scores
 
 __all__ = [
-    "PromptCode", "anchor_means", "anchor_positions", "coded_salience", "coefficient_budget", "decode",
-    "decode_prompt", "encode", "encode_prompt", "exact_mask", "join_kv", "minmax", "nearest_anchors", "pack",
-    "pool_scores", "residuals", "rotate_keys", "snapkv_scores", "split_kv", "topk_ranks", "unpack",
-    "unrotate_keys", "waterfill_ranks",
+    "PromptCode", "QuantizedCoefs", "RankOrder", "anchor_means", "anchor_positions", "coded_salience", "coef_values",
+    "coefficient_budget", "compress_prompt", "decode", "decode_blocks", "decode_prompt", "dequantize", "encode",
+    "encode_blocks", "encode_prompt", "exact_mask", "gather_means", "join_kv", "joint_rows", "minmax",
+    "nearest_anchors", "nearest_anchors_mm", "pack", "pool_scores", "quantize", "rank_order", "residuals",
+    "rope_tables", "rotate_keys", "rotate_rows", "sample_positions", "snapkv_scores", "split_kv", "topk_ranks", "unpack",
+    "unrotate_keys", "unrotate_rows", "waterfill_ranks",
 ]

@@ -49,3 +49,35 @@ def residuals(z_coded: torch.Tensor, z_anchors: torch.Tensor, n_anchors: int, ch
     """Eq. 2: e_t = z_t - mean of its c nearest anchors. Returns (e [C, D] fp32, neighbours [C, c])."""
     neighbours = nearest_anchors(z_coded, z_anchors, n_anchors, chunk)
     return z_coded.float() - anchor_means(z_anchors, neighbours), neighbours
+
+
+def nearest_anchors_mm(z_coded: torch.Tensor, z_anchors: torch.Tensor, n_anchors: int, chunk: int) -> torch.Tensor:
+    """The fast path's `nearest_anchors`: [C, c] long, the same neighbours up to fp32 near-ties.
+
+    Ranks anchors by |b - m|^2 - 2 (z - m).(b - m), which is |z - b|^2 minus a per-row constant:
+    one fp32 matmul per chunk of `chunk` rows, no sqrt, no clamp, memory bounded by chunk x A.
+    Centring on the anchors' mean m keeps the expansion free of cancellation (Appendix A.11); it
+    is never evaluated in half precision.
+    """
+    anchors = z_anchors.float()
+    centre = anchors.mean(dim=0, keepdim=True)  # [1, D]
+    anchors = anchors - centre
+    bias = anchors.square().sum(dim=-1)  # [A]
+    k = min(n_anchors, anchors.shape[0])
+    out = torch.empty(z_coded.shape[0], k, dtype=torch.long, device=z_coded.device)
+    for start in range(0, z_coded.shape[0], chunk):
+        block = z_coded[start : start + chunk].float() - centre  # [chunk, D]
+        score = torch.addmm(bias, block, anchors.T, alpha=-2.0)  # [chunk, A], fp32
+        out[start : start + chunk] = score.topk(k, dim=-1, largest=False).indices
+    return out
+
+
+def gather_means(z_anchors: torch.Tensor, neighbours: torch.Tensor) -> torch.Tensor:
+    """[C, D] fp32 anchor means, z-bar_t, by c row gathers instead of a [C, c, D] tensor."""
+    neighbours = neighbours.long()
+    anchors = z_anchors.float()
+    means = anchors.index_select(0, neighbours[:, 0])
+    scratch = torch.empty_like(means)
+    for j in range(1, neighbours.shape[1]):
+        means += torch.index_select(anchors, 0, neighbours[:, j], out=scratch)
+    return means.div_(neighbours.shape[1])

@@ -9,48 +9,104 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .anchors import anchor_positions, exact_mask
+from .quantization import QuantizedCoefs
+
 
 @dataclass
 class PromptCode:
     """One sequence's prompt after compression (one layer).
 
-    `exact_pos` / `coded_pos` / `anchor_pos` follow from (S, stride, window) and are not charged;
-    `neighbours`, `ranks` and `coefs` are the codes; `exact_keys` / `exact_values` are only held
-    here in compact storage (materialized storage keeps them inside the full-length tensors).
+    The exact / coded / anchor positions follow from (seq_len, stride, window) and are computed on
+    access, never held. `neighbours`, `ranks` and `coefs` are the codes (`coefs` is the packed
+    coefficient stream [sum(ranks)] in the model's dtype, or a `QuantizedCoefs`); `exact_keys` /
+    `exact_values` [1, H, E, d] are only held here in compact storage (materialized storage keeps
+    them inside the full-length tensors).
     """
 
     seq_len: int
-    exact_pos: torch.Tensor  # [E] long
-    coded_pos: torch.Tensor  # [C] long
-    anchor_pos: torch.Tensor  # [A] long
-    neighbours: torch.Tensor  # [C, c] small int, indices into anchor_pos
+    stride: int
+    window: int
+    neighbours: torch.Tensor  # [C, c] small int, indices into the anchors
     ranks: torch.Tensor  # [C] small int
-    coefs: torch.Tensor  # [sum(ranks)] storage dtype
+    coefs: torch.Tensor | QuantizedCoefs  # [sum(ranks)]
     width: int  # D
     kv_bytes: int  # bytes per element of the model's K/V
     stored_exactly: bool = False
-    exact_keys: torch.Tensor | None = field(default=None, repr=False)  # [H, E, d]
-    exact_values: torch.Tensor | None = field(default=None, repr=False)  # [H, E, d]
+    exact_keys: torch.Tensor | None = field(default=None, repr=False)  # [1, H, E, d]
+    exact_values: torch.Tensor | None = field(default=None, repr=False)  # [1, H, E, d]
 
+    # positions (derived) -------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.exact_keys.device if self.exact_keys is not None else self.ranks.device
+
+    @property
+    def exact_pos(self) -> torch.Tensor:
+        """[E] long: positions stored exactly (anchors + window; every token when stored_exactly)."""
+        if self.stored_exactly:
+            return torch.arange(self.seq_len, device=self.device)
+        return self._mask().nonzero()[:, 0]
+
+    @property
+    def coded_pos(self) -> torch.Tensor:
+        """[C] long: positions coded at a rank, in increasing order (the order of `ranks`)."""
+        if self.stored_exactly:
+            return torch.zeros(0, dtype=torch.long, device=self.device)
+        return (~self._mask()).nonzero()[:, 0]
+
+    @property
+    def anchor_pos(self) -> torch.Tensor:
+        """[A] long: the anchors, a subset of the exact positions; `neighbours` index into them."""
+        return anchor_positions(self.seq_len, self.stride, self.device)
+
+    def _mask(self) -> torch.Tensor:
+        return exact_mask(self.seq_len, self.stride, self.window, self.device)
+
+    # bytes ---------------------------------------------------------------------------------------
     def nbytes(self, limit: int | None = None) -> int:
         """Bytes this prompt costs: exact tokens at full width plus every coded token's codes.
 
-        `limit` counts only the first `limit` tokens (after a crop into the prompt); without it the
-        result equals the bytes of the tensors this code holds (plus the exact tokens).
+        Without `limit` this is exactly the bytes of the tensors the code holds (counting the exact
+        tokens at full width even where materialized storage keeps them elsewhere). `limit` counts
+        only the first `limit` tokens (after a crop of a materialized cache into the prompt).
         """
         limit = self.seq_len if limit is None else max(min(limit, self.seq_len), 0)
         n_exact = int((self.exact_pos < limit).sum())
         exact = n_exact * self.width * self.kv_bytes
         if self.stored_exactly:
             return exact
+        if limit == self.seq_len:
+            return exact + _tensor_bytes(self.neighbours, self.ranks) + coef_bytes(self.coefs)
         keep = self.coded_pos < limit
         per_token = self.neighbours.shape[1] * self.neighbours.element_size() + self.ranks.element_size()
-        coefs = int(self.ranks[keep].long().sum()) * self.coefs.element_size()
+        ranks = self.ranks[keep].long()
+        if isinstance(self.coefs, QuantizedCoefs):
+            coefs = self.coefs.nbytes_for(ranks)
+        else:
+            coefs = int(ranks.sum()) * self.coefs.element_size()
         return exact + int(keep.sum()) * per_token + coefs
 
     def full_nbytes(self) -> int:
         """Bytes the same prompt takes uncompressed in the same dtype."""
         return self.seq_len * self.width * self.kv_bytes
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Every tensor this code holds (for memory accounting)."""
+        held = [self.neighbours, self.ranks]
+        held += self.coefs.tensors() if isinstance(self.coefs, QuantizedCoefs) else [self.coefs]
+        held += [t for t in (self.exact_keys, self.exact_values) if t is not None]
+        return held
+
+
+def coef_bytes(coefs) -> int:
+    if isinstance(coefs, QuantizedCoefs):
+        return coefs.nbytes()
+    return _tensor_bytes(coefs)
+
+
+def _tensor_bytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def smallest_uint(max_value: int) -> torch.dtype:

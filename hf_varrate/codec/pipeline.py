@@ -2,6 +2,11 @@
 
 Shapes: keys, values [1, H, S, d] post-RoPE (one sequence, padding already removed);
 queries [1, Hq, W, d] post-RoPE; cos, sin [1, S, d]; basis [R, D] fp32.
+
+The fast path works on the coded tokens sorted by decreasing rank (`projection.rank_order`), so
+encode and decode cost about sum(r_t) x D instead of C x R x D; anchor means are row gathers; the
+materialized reconstruction reuses the encoder's anchor means. Each stage runs under a
+`torch.profiler.record_function("varrate.<stage>")` label, which costs nothing without a profiler.
 """
 
 from __future__ import annotations
@@ -9,81 +14,158 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.profiler import record_function
 
 from ..config import VarRateConfig
 from .allocation import topk_ranks, waterfill_ranks
-from .anchors import anchor_means, anchor_positions, exact_mask, residuals
-from .joint import join_kv, split_kv
+from .anchors import anchor_positions, exact_mask, gather_means, nearest_anchors_mm
+from .joint import joint_rows
 from .packing import PromptCode, meta_bytes_per_token, smallest_uint
-from .projection import decode, encode, pack, unpack
-from .rope import rotate_keys, unrotate_keys
+from .projection import RankOrder, decode_blocks, encode_blocks, rank_order
+from .quantization import SCALE_DTYPE, QuantizedCoefs, dequantize, quantize
+from .reference import decode_reference, encode_reference
+from .rope import rotate_rows
 from .salience import coded_salience, snapkv_scores
 
 
 def coefficient_budget(config: VarRateConfig, seq_len: int, n_exact: int, n_coded: int, width: int,
                        kv_bytes: int, meta_bytes: int) -> int:
-    """Eq. 3 in bytes: what kappa * (full K/V bytes) leaves for coefficients after the exact tokens
+    """Eq. 3 in bytes: how many coefficients kappa * (full K/V bytes) leaves after the exact tokens
     and every coded token's side information (anchor indices, rank). Counting the side information
-    inside the budget keeps the realised footprint at the budget on small-D models, where Eq. 3's
-    coefficient-only count would overshoot by a percent or more."""
+    inside the budget keeps the realised footprint at the budget on small-D models.
+
+    A coefficient costs `kv_bytes`, except with `coef_bits` and `quantized_budget="same_bytes"`:
+    then it costs bits/8 plus its share of its group's fp16 min and step, and each token is charged
+    one more (partial) group up front, so the realised bytes never exceed the budget."""
     spare = config.budget * seq_len * width * kv_bytes - n_exact * width * kv_bytes - n_coded * meta_bytes
-    return max(math.floor(spare / kv_bytes), 0)
+    per_coef = kv_bytes
+    if config.coef_bits is not None and config.quantized_budget == "same_bytes":
+        group_bytes = 2 * torch.empty(0, dtype=SCALE_DTYPE).element_size()
+        spare -= n_coded * group_bytes + config.coef_bits  # partial groups, bit-packing pad
+        per_coef = config.coef_bits / 8 + group_bytes / config.coef_group
+    return math.floor(spare / per_coef)  # < 0: the exact set and side information alone exceed the budget
 
 
 def encode_prompt(keys, values, queries, cos, sin, basis, config: VarRateConfig, scaling: float) -> PromptCode:
     """Compress one prompt. Returns its `PromptCode`; `stored_exactly` when the budget can't cover
     the exact set plus the floor for every coded token (or when budget == 1: nothing to save)."""
+    return compress_prompt(keys, values, queries, cos, sin, basis, config, scaling, reconstruct=False)[0]
+
+
+def compress_prompt(keys, values, queries, cos, sin, basis, config: VarRateConfig, scaling: float,
+                    reconstruct: bool = True):
+    """Encode one prompt and (if `reconstruct`) rebuild it in the same pass.
+
+    Returns (code, keys_hat, values_hat); the reconstruction [1, H, S, d] equals
+    `decode_prompt(code, ...)` bit for bit, and is None when not asked for or stored exactly.
+    """
+    code, rank, total = _layout(keys, basis, config)
+    if code.stored_exactly:
+        return code, None, None
+    with record_function("varrate.salience"):
+        salience = _salience(config, queries, keys, scaling, code.coded_pos, code.seq_len)
+    if config.implementation == "reference":
+        packed = encode_reference(code, keys, values, cos, sin, salience, basis, rank, total, config)
+        code.coefs = _store(packed, code.ranks, keys.dtype, config)
+        if not reconstruct:
+            return code, None, None
+        k_hat, v_hat = keys.clone(), values.clone()
+        decode_reference(code, coef_values(code), k_hat, v_hat, cos, sin, basis)
+        return code, k_hat, v_hat
+    with record_function("varrate.allocation"):
+        allocate = waterfill_ranks if config.allocation == "waterfill" else topk_ranks
+        ranks = allocate(salience, total, config.r_min, rank)  # Eq. 5
+        plan = rank_order(ranks)
+        coded = code.coded_pos[plan.order]  # coded positions, by decreasing rank
+    with record_function("varrate.joint"):
+        z_anchors = joint_rows(keys, values, cos, sin, code.anchor_pos)  # [A, D] fp32
+        z = joint_rows(keys, values, cos, sin, coded)  # [C, D] fp32
+    with record_function("varrate.anchor_search"):
+        neighbours = nearest_anchors_mm(z, z_anchors, config.n_anchors, config.distance_chunk)  # [C, c]
+    with record_function("varrate.projection"):
+        means = gather_means(z_anchors, neighbours)  # Eq. 2
+        packed = encode_blocks(z.sub_(means), basis, plan)  # Eq. 6, truncated per token
+        code.ranks = ranks.to(smallest_uint(rank))
+        code.neighbours = _unsort(neighbours, plan).to(smallest_uint(code.anchor_pos.numel() - 1))
+        code.coefs = _store(packed, code.ranks, keys.dtype, config)
+    if not reconstruct:
+        return code, None, None
+    with record_function("varrate.reconstruction"):
+        k_hat, v_hat = keys.clone(), values.clone()
+        _reconstruct(code, plan, coded, means, basis, k_hat, v_hat, cos, sin)
+    return code, k_hat, v_hat
+
+
+def decode_prompt(code: PromptCode, exact_keys, exact_values, cos, sin, basis, *, implementation: str = "fast",
+                  out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reconstruct the full prompt [1, H, S, d] from its code and its exact tokens [1, H, E, d].
+    Exact tokens come back bit for bit; coded ones as anchor mean + truncated projection.
+    `out` = (keys, values) [1, H, S, d] (views are fine) receives the result instead of new tensors."""
+    _, heads, _, dim = exact_keys.shape
+    shape = (1, heads, code.seq_len, dim)
+    keys, values = out if out is not None else (exact_keys.new_empty(shape), exact_values.new_empty(shape))
+    exact = code.exact_pos
+    keys[0].index_copy_(1, exact, exact_keys[0])
+    values[0].index_copy_(1, exact, exact_values[0])
+    if code.stored_exactly or code.ranks.numel() == 0:
+        return keys, values
+    with record_function("varrate.reconstruction"):
+        if implementation == "reference":
+            decode_reference(code, coef_values(code), keys, values, cos, sin, basis)
+            return keys, values
+        plan = rank_order(code.ranks)
+        coded = code.coded_pos[plan.order]
+        z_anchors = joint_rows(keys, values, cos, sin, code.anchor_pos)
+        means = gather_means(z_anchors, code.neighbours.long()[plan.order])
+        _reconstruct(code, plan, coded, means, basis, keys, values, cos, sin)
+    return keys, values
+
+
+def coef_values(code: PromptCode) -> torch.Tensor:
+    """The stored coefficient stream as fp32 [sum(ranks)] (dequantized if quantized)."""
+    if isinstance(code.coefs, QuantizedCoefs):
+        return dequantize(code.coefs, code.ranks)
+    return code.coefs.float()
+
+
+def _reconstruct(code, plan: RankOrder, coded, means, basis, keys, values, cos, sin) -> None:
+    """Write the coded tokens (rows of `means`, in `plan` order, at positions `coded`) into keys/values."""
+    z_hat = decode_blocks(means, coef_values(code), basis, plan)  # [C, D] fp32
+    count, heads, dim = coded.numel(), keys.shape[1], keys.shape[-1]
+    half = heads * dim
+    k_hat = rotate_rows(z_hat[:, :half].view(count, heads, dim), cos[0, coded].float(), sin[0, coded].float())
+    keys[0].transpose(0, 1).index_copy_(0, coded, k_hat.to(keys.dtype))  # [S, H, d] view
+    values[0].transpose(0, 1).index_copy_(0, coded, z_hat[:, half:].view(count, heads, dim).to(values.dtype))
+
+
+def _layout(keys, basis, config: VarRateConfig) -> tuple[PromptCode, int, int]:
+    """The empty code of this prompt, its rank cap R and coefficient total B (Eq. 3)."""
     _, heads, seq_len, dim = keys.shape
     width = 2 * heads * dim
     rank = min(config.rank or basis.shape[0], basis.shape[0], width)
-    is_exact = exact_mask(seq_len, config.stride, config.window, keys.device)
-    exact_pos, coded_pos = is_exact.nonzero()[:, 0], (~is_exact).nonzero()[:, 0]
-    anchor_pos = anchor_positions(seq_len, config.stride, keys.device)
-    kv_bytes = keys.element_size()
-    meta = meta_bytes_per_token(config.n_anchors, anchor_pos.numel(), rank)
-    total = coefficient_budget(config, seq_len, exact_pos.numel(), coded_pos.numel(), width, kv_bytes, meta)
-    n_coded = coded_pos.numel()
-    code = PromptCode(seq_len, exact_pos, coded_pos, anchor_pos, _empty(), _empty(), _empty(keys.dtype),
-                      width, kv_bytes)
-    if n_coded == 0 or config.budget >= 1.0 or total < n_coded * config.r_min:
-        code.stored_exactly = True
-        code.exact_pos = torch.arange(seq_len, device=keys.device)
-        code.coded_pos = code.exact_pos[:0]
-        return code
-    z = join_kv(unrotate_keys(keys, cos, sin), values.float())[0]  # [S, D] fp32
-    resid, neighbours = residuals(z[coded_pos], z[anchor_pos], config.n_anchors, config.distance_chunk)
-    salience = _salience(config, queries, keys, scaling, coded_pos, seq_len)
-    allocate = waterfill_ranks if config.allocation == "waterfill" else topk_ranks
-    ranks = allocate(salience, min(total, n_coded * rank), config.r_min, rank)  # Eq. 5
-    coefs = encode(resid, basis[:rank])  # Eq. 6, once at full rank
-    code.neighbours = neighbours.to(smallest_uint(anchor_pos.numel() - 1))
-    code.ranks = ranks.to(smallest_uint(rank))
-    code.coefs = pack(coefs, ranks, keys.dtype)
-    return code
+    n_exact = int(exact_mask(seq_len, config.stride, config.window, keys.device).sum())
+    n_coded = seq_len - n_exact
+    n_anchors = anchor_positions(seq_len, config.stride).numel()
+    meta = meta_bytes_per_token(config.n_anchors, n_anchors, rank)
+    total = coefficient_budget(config, seq_len, n_exact, n_coded, width, keys.element_size(), meta)
+    empty = torch.empty(0, dtype=torch.int16, device=keys.device)
+    code = PromptCode(seq_len, config.stride, config.window, empty.view(0, 1), empty, empty.to(keys.dtype),
+                      width, keys.element_size())
+    code.stored_exactly = n_coded == 0 or config.budget >= 1.0 or total < n_coded * config.r_min
+    return code, rank, min(total, n_coded * rank)
 
 
-def decode_prompt(code: PromptCode, exact_keys, exact_values, cos, sin, basis) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reconstruct the full prompt [1, H, S, d] from its code and its exact tokens [1, H, E, d].
-    Exact tokens come back bit for bit; coded ones as anchor mean + truncated projection."""
-    _, heads, _, dim = exact_keys.shape
-    shape = (1, heads, code.seq_len, dim)
-    keys = exact_keys.new_empty(shape)
-    values = exact_values.new_empty(shape)
-    keys[:, :, code.exact_pos] = exact_keys
-    values[:, :, code.exact_pos] = exact_values
-    if code.stored_exactly or code.coded_pos.numel() == 0:
-        return keys, values
-    anchor_k, anchor_v = keys[:, :, code.anchor_pos], values[:, :, code.anchor_pos]
-    z_anchors = join_kv(unrotate_keys(anchor_k, cos[:, code.anchor_pos], sin[:, code.anchor_pos]), anchor_v.float())[0]
-    ranks = code.ranks.long()
-    rank = int(ranks.max())
-    coefs = unpack(code.coefs, ranks, rank)  # [C, r_max]
-    z_hat = decode(anchor_means(z_anchors, code.neighbours.long()), coefs, basis)  # [C, D]
-    k_hat, v_hat = split_kv(z_hat[None], heads)  # [1, H, C, d]
-    k_hat = rotate_keys(k_hat, cos[:, code.coded_pos], sin[:, code.coded_pos])
-    keys[:, :, code.coded_pos] = k_hat.to(keys.dtype)
-    values[:, :, code.coded_pos] = v_hat.to(values.dtype)
-    return keys, values
+def _store(packed: torch.Tensor, ranks: torch.Tensor, dtype: torch.dtype, config: VarRateConfig):
+    """The coefficient stream as stored: the model's dtype, or `coef_bits`-bit groups."""
+    if config.coef_bits is None:
+        return packed.to(dtype, copy=True)  # a copy: `packed` may be a view of a larger buffer
+    return quantize(packed, ranks, config.coef_bits, config.coef_group)
+
+
+def _unsort(rows: torch.Tensor, plan: RankOrder) -> torch.Tensor:
+    out = torch.empty_like(rows)
+    out[plan.order] = rows
+    return out
 
 
 def _salience(config, queries, keys, scaling, coded_pos, seq_len):
@@ -91,7 +173,3 @@ def _salience(config, queries, keys, scaling, coded_pos, seq_len):
     if config.signal in ("snapkv", "shuffle"):
         snapkv = snapkv_scores(queries, keys, scaling, config.pool_kernel)
     return coded_salience(config.signal, snapkv, coded_pos, seq_len, config.stride, config.window, config.seed)
-
-
-def _empty(dtype=torch.int16):
-    return torch.empty(0, dtype=dtype)

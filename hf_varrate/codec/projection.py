@@ -6,6 +6,8 @@ ranks [C], packed coefficients [sum(ranks)] (row-major: token 0's leading r_0, t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -34,3 +36,71 @@ def unpack(packed: torch.Tensor, ranks: torch.Tensor, rank: int) -> torch.Tensor
 def decode(means: torch.Tensor, coefs: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
     """Eq. 6: z-hat_t = z-bar_t + V^T (m_t * c_t). coefs [C, R] already masked -> [C, D] fp32."""
     return means.float() + coefs @ basis[: coefs.shape[1]].float()
+
+
+# Rank-blocked ("staircase") encode and decode: a token of rank r costs about r x D, not R x D.
+# Coded tokens are sorted by decreasing rank, so the tokens that need basis rows [j0, j1) are a
+# prefix of that order; each block of BLOCK basis rows is one matmul over that prefix. A block's
+# coefficients [rows, j1 - j0] are read from (written to) the packed stream (token-major in coded
+# order, as `pack` writes it) by one index per block; entries past a token's rank point at one
+# extra slot at the end of the stream, which holds a zero (and receives the encoder's leftovers).
+
+BLOCK = 32
+
+
+@dataclass
+class RankOrder:
+    """How one prompt's coded tokens are laid out for the rank-blocked matmuls.
+
+    order [C]: coded indices by decreasing rank (stable); ranks [C] and starts [C]: each sorted
+    token's rank and the offset of its coefficients in the packed stream; blocks: (j0, j1, rows,
+    full) per block of basis rows, `rows` tokens reach the block, the first `full` fill it.
+    """
+
+    order: torch.Tensor
+    ranks: torch.Tensor
+    starts: torch.Tensor
+    blocks: list[tuple[int, int, int, int]]
+    total: int  # sum(ranks)
+
+    def index(self, j0: int, j1: int, rows: int, full: int) -> torch.Tensor:
+        """[rows, j1 - j0] positions in the packed stream of a block's coefficients (`total` past a rank)."""
+        cols = torch.arange(j0, j1, device=self.starts.device)
+        index = self.starts[:rows, None] + cols[None, :]
+        if full < rows:  # the last rows end inside this block
+            tail = index[full:]
+            tail.masked_fill_(cols[None, :] >= self.ranks[full:rows, None], self.total)
+        return index
+
+
+def rank_order(ranks: torch.Tensor, block: int = BLOCK) -> RankOrder:
+    """Build the `RankOrder` of ranks [C] (any integer dtype)."""
+    ranks = ranks.long()
+    order = torch.argsort(ranks, descending=True, stable=True)
+    starts = (torch.cumsum(ranks, 0) - ranks)[order]
+    ranks = ranks[order]
+    width = int(ranks[0]) if ranks.numel() else 0
+    edges = torch.arange(0, width + block, block, device=ranks.device).clamp_(max=width)  # j0 of each block, width
+    reach = (ranks[None, :] > edges[:-1, None]).sum(dim=1).tolist()  # tokens with rank > j0
+    fill = (ranks[None, :] >= edges[1:, None]).sum(dim=1).tolist()  # tokens with rank >= j1
+    edges = edges.tolist()
+    blocks = [(edges[b], edges[b + 1], reach[b], fill[b]) for b in range(len(reach))]
+    return RankOrder(order, ranks, starts, blocks, int(ranks.sum()))
+
+
+def encode_blocks(residuals_sorted: torch.Tensor, basis: torch.Tensor, plan: RankOrder) -> torch.Tensor:
+    """Eq. 6, truncated: coefficients of residuals [C, D] (rows in `plan.order`) -> packed [sum(ranks)] fp32."""
+    packed = residuals_sorted.new_empty(plan.total + 1)
+    for j0, j1, rows, full in plan.blocks:
+        coefs = residuals_sorted[:rows] @ basis[j0:j1].T  # [rows, D] x [D, j1 - j0]
+        packed[plan.index(j0, j1, rows, full).view(-1)] = coefs.view(-1)
+    return packed[: plan.total]
+
+
+def decode_blocks(means_sorted: torch.Tensor, packed: torch.Tensor, basis: torch.Tensor, plan: RankOrder) -> torch.Tensor:
+    """Eq. 6: z-hat = z-bar + V[:r]^T c[:r], in place on means [C, D] fp32 (rows in `plan.order`)."""
+    stream = torch.cat((packed.float(), packed.new_zeros(1, dtype=torch.float32)))
+    for j0, j1, rows, full in plan.blocks:
+        coefs = stream[plan.index(j0, j1, rows, full)]  # [rows, j1 - j0], zeros past each rank
+        means_sorted[:rows].addmm_(coefs, basis[j0:j1])  # [rows, j1 - j0] x [j1 - j0, D]
+    return means_sorted

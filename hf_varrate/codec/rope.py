@@ -30,3 +30,55 @@ def rotate_keys(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     keys = keys.float()
     cos, sin = cos.float().unsqueeze(1), sin.float().unsqueeze(1)  # [B, 1, S, d]
     return keys * cos + rotate_half(keys) * sin
+
+
+# Row-major variants for the fast path: tokens first ([n, H, d]), cos/sin [n, d] fp32, written with
+# the two halves spelled out. They round exactly like `unrotate_keys` / `rotate_keys` (a - (-b)*s
+# is a + b*s in IEEE arithmetic), without the concatenation `rotate_half` allocates.
+
+def unrotate_rows(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None):
+    """Post-RoPE keys [n, H, d] -> pre-RoPE [n, H, d] fp32 (into `out` if given, which may be a
+    strided view); bit-identical to `unrotate_keys`."""
+    keys = keys.float()
+    half = keys.shape[-1] // 2
+    cos, sin = cos[:, None], sin[:, None]  # [n, 1, d]
+    den = cos * cos + sin * sin
+    k1, k2 = keys[..., :half], keys[..., half:]
+    out = torch.empty_like(keys) if out is None else out
+    first, second = out[..., :half], out[..., half:]
+    torch.mul(k1, cos[..., :half], out=first)
+    first += k2 * sin[..., :half]
+    first /= den[..., :half]
+    torch.mul(k2, cos[..., half:], out=second)
+    second -= k1 * sin[..., half:]
+    second /= den[..., half:]
+    return out
+
+
+def rotate_rows(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Pre-RoPE keys [n, H, d] fp32 -> post-RoPE [n, H, d] fp32; bit-identical to `rotate_keys`."""
+    half = keys.shape[-1] // 2
+    cos, sin = cos[:, None], sin[:, None]  # [n, 1, d]
+    k1, k2 = keys[..., :half], keys[..., half:]
+    out = torch.empty_like(keys)
+    first, second = out[..., :half], out[..., half:]
+    torch.mul(k1, cos[..., :half], out=first)
+    first -= k2 * sin[..., :half]
+    torch.mul(k2, cos[..., half:], out=second)
+    second += k1 * sin[..., half:]
+    return out
+
+
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype):
+    """cos, sin [1, n, d] at `positions` [n], computed the way transformers' rotary embeddings compute
+    them (fp32 angles, cat(freqs, freqs), cos * attention_scaling, cast last). Whether they match a
+    given model bit for bit is checked where they are used."""
+    freqs = positions.float()[:, None] * inv_freq.to(device=positions.device, dtype=torch.float32)[None, :]
+    cos, sin = freqs.cos(), freqs.sin()  # [n, d/2]
+    cos, sin = torch.cat((cos, cos), dim=-1) * scaling, torch.cat((sin, sin), dim=-1) * scaling
+    return cos.to(dtype)[None], sin.to(dtype)[None]
+
+
+def sample_positions(length: int, samples: int = 64, device=None) -> torch.Tensor:
+    """Up to `samples` positions spread over 0..length-1, first and last included."""
+    return torch.unique(torch.linspace(0, max(length - 1, 0), min(samples, length), device=device).long())

@@ -25,9 +25,9 @@ def snapkv_scores(queries: torch.Tensor, keys: torch.Tensor, scaling: float, poo
     q = queries.reshape(num_kv_heads, groups * window, dim)  # [H, G*W, d]
     logits = torch.matmul(q, keys[0].transpose(-1, -2).to(q.dtype)) * scaling  # [H, G*W, S]
     logits = logits.view(num_kv_heads, groups, window, seq_len)
-    query_pos = torch.arange(seq_len - window, seq_len, device=keys.device)
-    causal = torch.arange(seq_len, device=keys.device)[None, :] > query_pos[:, None]  # [W, S]
-    logits = logits.masked_fill(causal, float("-inf"))
+    # causal: only the window's own columns can lie in a query's future, so only they are masked
+    future = torch.ones(window, window, dtype=torch.bool, device=keys.device).triu(1)  # [W, W]
+    logits[..., seq_len - window :].masked_fill_(future, float("-inf"))
     weights = torch.softmax(logits, dim=-1, dtype=torch.float32).to(queries.dtype)
     scores = weights.mean(dim=(0, 1, 2))  # [S], model dtype
     return pool_scores(scores, pool_kernel)

@@ -1,0 +1,141 @@
+"""Group-wise b-bit quantization of the coefficient stream (Section 3.3 "Composability", App. A.4).
+
+Each coded token's r_t coefficients are cut into groups of `group` consecutive coefficients (the
+last group of a token may be shorter); a group stores its min and its step in fp16 (fp32 if fp16 would overflow) and every
+coefficient as an unsigned b-bit integer, bit-packed 8 values to b bytes. Asymmetric min/step
+because a group of leading PCA coefficients is rarely centred on zero.
+
+Shapes: packed stream x [N] (N = sum of ranks, token after token), ranks [C], groups [G].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BITS = (3, 4, 8)
+SCALE_DTYPE = torch.float16
+
+
+@dataclass
+class QuantizedCoefs:
+    """A quantized coefficient stream: `codes` bit-packed uint8, fp16 `mins` and `steps` per group."""
+
+    codes: torch.Tensor  # [ceil(N / 8) * bits] uint8
+    mins: torch.Tensor  # [G] fp16
+    steps: torch.Tensor  # [G] fp16
+    bits: int
+    group: int
+    count: int  # N
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def nbytes_for(self, ranks: torch.Tensor) -> int:
+        """Bytes a stream for these ranks takes (for a cropped prompt's accounting)."""
+        values = int(ranks.sum())
+        groups = int(group_counts(ranks, self.group).sum())
+        return packed_bytes(values, self.bits) + groups * 2 * self.mins.element_size()
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.codes, self.mins, self.steps]
+
+    def to(self, device) -> QuantizedCoefs:
+        return QuantizedCoefs(self.codes.to(device), self.mins.to(device), self.steps.to(device), self.bits,
+                              self.group, self.count)
+
+
+def packed_bytes(count: int, bits: int) -> int:
+    """Bytes `pack_bits` takes for `count` values."""
+    return count if bits == 8 else -(-count // 8) * bits
+
+
+def group_counts(ranks: torch.Tensor, group: int) -> torch.Tensor:
+    """[C] number of groups of each token: ceil(r_t / group)."""
+    return (ranks.long() + group - 1) // group
+
+
+def group_ids(ranks: torch.Tensor, group: int) -> tuple[torch.Tensor, int]:
+    """[N] the group of every coefficient of the packed stream, and the number of groups G."""
+    ranks = ranks.long()
+    counts = group_counts(ranks, group)
+    starts = torch.cumsum(counts, 0) - counts  # first group of each token
+    token = torch.repeat_interleave(torch.arange(ranks.numel(), device=ranks.device), ranks)  # [N]
+    offset = torch.cumsum(ranks, 0) - ranks
+    within = torch.arange(token.numel(), device=ranks.device) - offset[token]  # j, position inside the token
+    return starts[token] + within // group, int(counts.sum())
+
+
+def quantize(x: torch.Tensor, ranks: torch.Tensor, bits: int, group: int) -> QuantizedCoefs:
+    """Quantize the packed stream x [N] (token after token, r_t each) to `bits` bits per value."""
+    if bits not in BITS:
+        raise ValueError(f"coef_bits must be one of {list(BITS)} or None, got {bits!r}")
+    x = x.float()
+    gid, n_groups = group_ids(ranks, group)
+    levels = 2**bits - 1
+    lo = torch.full((n_groups,), float("inf"), device=x.device).scatter_reduce(0, gid, x, "amin")
+    hi = torch.full((n_groups,), float("-inf"), device=x.device).scatter_reduce(0, gid, x, "amax")
+    dtype = scale_dtype(lo, hi)
+    mins = _round_down(lo, dtype)  # min <= every value of its group, after rounding to fp16
+    steps = _round_up((hi - mins.float()) / levels, dtype)  # min + levels * step >= max
+    step = steps.float()[gid]
+    q = torch.where(step > 0, (x - mins.float()[gid]) / step, torch.zeros_like(x))
+    q = q.round().clamp_(0, levels).to(torch.uint8)
+    return QuantizedCoefs(pack_bits(q, bits), mins, steps, bits, group, x.numel())
+
+
+def dequantize(coefs: QuantizedCoefs, ranks: torch.Tensor) -> torch.Tensor:
+    """[N] fp32: min + q * step for every coefficient of the stream."""
+    gid, _ = group_ids(ranks, coefs.group)
+    q = unpack_bits(coefs.codes, coefs.bits, coefs.count).float()
+    return coefs.mins.float()[gid] + q * coefs.steps.float()[gid]
+
+
+def error_bound(coefs: QuantizedCoefs, ranks: torch.Tensor) -> torch.Tensor:
+    """[N] the largest |x - dequantize(x)| rounding allows: half a step of the value's group."""
+    gid, _ = group_ids(ranks, coefs.group)
+    return coefs.steps.float()[gid] / 2
+
+
+def pack_bits(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 values < 2**bits [N] -> [ceil(N / 8) * bits] uint8, 8 values per `bits` bytes (little-endian)."""
+    if bits == 8:
+        return q.contiguous()
+    n = q.numel()
+    padded = torch.zeros(-(-n // 8) * 8, dtype=torch.int64, device=q.device)
+    padded[:n] = q
+    shifts = torch.arange(8, device=q.device) * bits
+    words = (padded.view(-1, 8) << shifts).sum(dim=1)  # [n / 8] words of 8 * bits bits
+    byte_shifts = torch.arange(bits, device=q.device) * 8
+    return ((words[:, None] >> byte_shifts) & 0xFF).to(torch.uint8).reshape(-1)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """Inverse of `pack_bits`: -> [count] uint8."""
+    if bits == 8:
+        return packed[:count]
+    byte_shifts = torch.arange(bits, device=packed.device) * 8
+    words = (packed.view(-1, bits).long() << byte_shifts).sum(dim=1)  # [n / 8]
+    shifts = torch.arange(8, device=packed.device) * bits
+    return ((words[:, None] >> shifts) & (2**bits - 1)).to(torch.uint8).reshape(-1)[:count]
+
+
+def scale_dtype(lo: torch.Tensor, hi: torch.Tensor) -> torch.dtype:
+    """fp16, unless a group's range would overflow it (then fp32, and its bytes are counted as such)."""
+    if lo.numel() == 0:
+        return SCALE_DTYPE
+    span = float(torch.maximum(hi.abs().max(), lo.abs().max()))
+    return SCALE_DTYPE if span < torch.finfo(SCALE_DTYPE).max / 4 else torch.float32
+
+
+def _round_down(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Values of `dtype` <= x (x fp32, finite)."""
+    h = x.to(dtype)
+    return torch.where(h.float() > x, torch.nextafter(h, torch.full_like(h, float("-inf"))), h)
+
+
+def _round_up(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Values of `dtype` >= x (x fp32, finite, >= 0)."""
+    h = x.to(dtype)
+    return torch.where(h.float() < x, torch.nextafter(h, torch.full_like(h, float("inf"))), h)

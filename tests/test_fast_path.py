@@ -1,0 +1,144 @@
+"""Tier (a): the fast codec path against the reference path it replaces (STYLE habit 8), no model."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_varrate import VarRateConfig
+from hf_varrate.codec import (
+    anchor_means, compress_prompt, decode, decode_blocks, decode_prompt, encode, encode_blocks, gather_means,
+    join_kv, joint_rows, nearest_anchors, nearest_anchors_mm, pack, rank_order, rotate_keys, rotate_rows,
+    snapkv_scores, unpack, unrotate_keys, unrotate_rows,
+)
+
+from test_codec import make_prompt, random_orthonormal, rope_tables
+
+
+def test_row_major_rope_and_joint_rows_are_bit_identical():
+    keys, values, _, cos, sin = make_prompt(seq_len=120, heads=3, dim=16)
+    pos = torch.randperm(120, generator=torch.Generator().manual_seed(0))[:50]
+    assert torch.equal(joint_rows(keys, values, cos, sin, pos), join_kv(unrotate_keys(keys, cos, sin), values)[0][pos])
+    rows = keys[0].transpose(0, 1)  # [S, H, d]
+    assert torch.equal(unrotate_rows(rows, cos[0], sin[0]), unrotate_keys(keys, cos, sin)[0].transpose(0, 1))
+    assert torch.equal(rotate_rows(rows, cos[0], sin[0]), rotate_keys(keys, cos, sin)[0].transpose(0, 1))
+    kb, vb, cb, sb = keys.bfloat16(), values.bfloat16(), cos.bfloat16(), sin.bfloat16()
+    assert torch.equal(joint_rows(kb, vb, cb, sb, pos), join_kv(unrotate_keys(kb, cb, sb), vb.float())[0][pos])
+
+
+@pytest.mark.parametrize("offset", [0.0, 1000.0])
+def test_nearest_anchors_mm_matches_brute_force(offset):
+    g = torch.Generator().manual_seed(1)
+    coded = torch.randn(700, 48, generator=g) * 30 + offset
+    anchors = torch.randn(40, 48, generator=g) * 30 + offset
+    brute = torch.cdist(coded.double(), anchors.double()).topk(4, largest=False).indices.sort(dim=1).values
+    for chunk in (1, 64, 5000):
+        assert torch.equal(nearest_anchors_mm(coded, anchors, 4, chunk).sort(dim=1).values, brute)
+        assert torch.equal(nearest_anchors(coded, anchors, 4, chunk).sort(dim=1).values, brute)
+
+
+def test_gather_means_equals_the_reference_mean():
+    g = torch.Generator().manual_seed(2)
+    anchors, neighbours = torch.randn(30, 40, generator=g), torch.randint(0, 30, (500, 4), generator=g)
+    torch.testing.assert_close(gather_means(anchors, neighbours.to(torch.uint8)), anchor_means(anchors, neighbours),
+                               rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["random", "zeros", "full", "block_edges", "one_token", "none"])
+def test_rank_blocked_encode_decode_equal_full_rank_masked(case):
+    g = torch.Generator().manual_seed(3)
+    width, rank, count = 96, 80, {"one_token": 1, "none": 0}.get(case, 400)
+    basis = random_orthonormal(rank, width)
+    ranks = {
+        "random": torch.randint(0, rank + 1, (count,), generator=g),
+        "zeros": torch.zeros(count, dtype=torch.long),
+        "full": torch.full((count,), rank),
+        "block_edges": torch.tensor([0, 1, 31, 32, 33, 63, 64, 65, 80] * 44 + [80] * 4)[:count],
+    }.get(case, torch.full((count,), 17))
+    resid, means = torch.randn(count, width, generator=g), torch.randn(count, width, generator=g)
+    plan = rank_order(ranks)
+    packed = encode_blocks(resid[plan.order].contiguous(), basis, plan)
+    reference = pack(encode(resid, basis), ranks, torch.float32)
+    assert packed.shape == reference.shape and torch.equal(packed, reference)
+    z_hat = decode_blocks(means[plan.order].clone(), packed, basis, plan)
+    expected = decode(means, unpack(reference, ranks, max(int(ranks.max()) if count else 1, 1)), basis)
+    torch.testing.assert_close(z_hat, expected[plan.order], rtol=0, atol=1e-5)
+
+
+def snapkv_as_first_written(queries, keys, scaling, pool_kernel):
+    """The salience before its causal mask was narrowed to the window's own columns."""
+    _, num_q_heads, window, dim = queries.shape
+    _, num_kv_heads, seq_len, _ = keys.shape
+    q = queries.reshape(num_kv_heads, num_q_heads // num_kv_heads * window, dim)
+    logits = torch.matmul(q, keys[0].transpose(-1, -2).to(q.dtype)) * scaling
+    logits = logits.view(num_kv_heads, num_q_heads // num_kv_heads, window, seq_len)
+    query_pos = torch.arange(seq_len - window, seq_len)
+    logits = logits.masked_fill(torch.arange(seq_len)[None, :] > query_pos[:, None], float("-inf"))
+    scores = torch.softmax(logits, dim=-1, dtype=torch.float32).to(queries.dtype).mean(dim=(0, 1, 2))
+    return F.avg_pool1d(scores[None, None], pool_kernel, stride=1, padding=pool_kernel // 2)[0, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_narrowed_causal_mask_gives_bit_identical_salience(dtype):
+    keys, _, queries, _, _ = make_prompt(seq_len=300, heads=2, dim=16, hq=4)
+    keys, queries = keys.to(dtype), queries.to(dtype)
+    assert torch.equal(snapkv_scores(queries, keys, 0.25, 5), snapkv_as_first_written(queries, keys, 0.25, 5))
+
+
+def reconstruct(impl, keys, values, queries, cos, sin, basis, **overrides):
+    config = VarRateConfig(budget=overrides.pop("budget", 0.4), r_min=4, implementation=impl, **overrides)
+    code, k_hat, v_hat = compress_prompt(keys, values, queries, cos, sin, basis, config, 0.25)
+    return code, k_hat, v_hat
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("overrides", [{}, {"coef_bits": 4}, {"allocation": "topk"}, {"signal": "uniform"}])
+def test_fast_path_matches_the_reference_path(dtype, overrides):
+    """Same ranks, same anchors; reconstruction differs from the reference's by far less than the
+    reference's own coding error (flash-attention's yardstick: a multiple of the reference's error)."""
+    keys, values, queries, cos, sin = make_prompt(seq_len=700, heads=2, dim=16)
+    keys, values, queries, cos, sin = (t.to(dtype) for t in (keys, values, queries, cos, sin))
+    basis = random_orthonormal(64, 64)
+    ref = reconstruct("reference", keys, values, queries, cos, sin, basis, **overrides)
+    fast = reconstruct("fast", keys, values, queries, cos, sin, basis, **overrides)
+    assert torch.equal(fast[0].ranks, ref[0].ranks)
+    assert (fast[0].neighbours.long().sort(1).values != ref[0].neighbours.long().sort(1).values).any(1).float().mean() < 0.01
+    own_error = (ref[1].float() - keys.float()).norm() + (ref[2].float() - values.float()).norm()
+    gap = (fast[1].float() - ref[1].float()).norm() + (fast[2].float() - ref[2].float()).norm()
+    assert gap <= 0.01 * own_error + (1e-4 if dtype == torch.float32 else 0.05)
+    exact = fast[0].exact_pos
+    assert torch.equal(fast[1][:, :, exact], keys[:, :, exact]) and torch.equal(fast[2][:, :, exact], values[:, :, exact])
+
+
+@pytest.mark.parametrize("overrides", [{}, {"coef_bits": 3}])
+def test_materialized_reconstruction_equals_decode_prompt_bit_for_bit(overrides):
+    keys, values, queries, cos, sin = make_prompt(seq_len=500, heads=2, dim=16)
+    basis = random_orthonormal(64, 64)
+    code, k_hat, v_hat = reconstruct("fast", keys, values, queries, cos, sin, basis, **overrides)
+    exact = code.exact_pos
+    k_dec, v_dec = decode_prompt(code, keys[:, :, exact], values[:, :, exact], cos, sin, basis)
+    assert torch.equal(k_hat, k_dec) and torch.equal(v_hat, v_dec)
+    k_ref, v_ref = decode_prompt(code, keys[:, :, exact], values[:, :, exact], cos, sin, basis,
+                                 implementation="reference")
+    torch.testing.assert_close(k_dec, k_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(v_dec, v_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_prompt_writes_into_given_views():
+    keys, values, queries, cos, sin = make_prompt(seq_len=400, heads=2, dim=16)
+    basis = random_orthonormal(64, 64)
+    code, k_hat, v_hat = reconstruct("fast", keys, values, queries, cos, sin, basis)
+    exact = code.exact_pos
+    big_k, big_v = torch.zeros(2, 2, 450, 16), torch.zeros(2, 2, 450, 16)
+    decode_prompt(code, keys[:, :, exact], values[:, :, exact], cos, sin, basis,
+                  out=(big_k[1:2, :, 30:430], big_v[1:2, :, 30:430]))
+    assert torch.equal(big_k[1:2, :, 30:430], k_hat) and torch.equal(big_v[1:2, :, 30:430], v_hat)
+    assert not big_k[0].any() and not big_k[1, :, :30].any()
+
+
+def test_rope_tables_reproduce_the_test_tables():
+    inv = 1.0 / 10000.0 ** (torch.arange(0, 16, 2).float() / 16)
+    from hf_varrate.codec import rope_tables as tables
+
+    cos, sin = tables(torch.arange(50), inv, 1.3, torch.float32)
+    ref_cos, ref_sin = rope_tables(50, 16, 1.3)
+    torch.testing.assert_close(cos, ref_cos) and torch.testing.assert_close(sin, ref_sin)
