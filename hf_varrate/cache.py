@@ -1,51 +1,27 @@
-"""`VarRateLayer` and `VarRateCache`: the codec inside transformers' layered Cache.
+"""`VarRateCache`: the codec inside transformers' layered Cache, and its footprint.
 
-Orchestration only; the arithmetic is in `hf_varrate.codec`. A layer's first update with more
-than one token is the prefill: the prefill's own attention gets the exact K/V it was given, the
-layer stores the reconstruction, and every later token is appended exactly.
+Orchestration only; the arithmetic is in `hf_varrate.codec`, one layer's state in
+`hf_varrate.layer.VarRateLayer`. Sliding-window layers (e.g. Gemma-3's local layers) stay the
+model's own sliding layers.
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass, field
 
-import torch
-from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
 from .architecture import describe, layer_types
 from .bases import Bases
-from .binding import PrefillContext, bind
-from .codec import PromptCode, decode_prompt, encode_prompt
+from .binding import bind, check_fits
+from .codec import exact_mask
 from .config import VarRateConfig
+from .layer import UNBOUND_MESSAGE, LayerFootprint, VarRateLayer, VarRateWarning, _tensor_bytes
+from .rotary import RopeMemo, RotaryFrequencies
 
-UNBOUND_MESSAGE = (
-    "VarRateCache needs the model bound to it to see the prefill's queries: build the cache with "
-    "VarRateCache.from_pretrained(bases, model=model) or call hf_varrate.bind(model) before generate()"
-)
-
-
-class VarRateWarning(UserWarning):
-    """Something the codec did differently from what was asked, without losing data."""
-
-
-@dataclass
-class LayerFootprint:
-    layer_idx: int
-    kind: str  # "varrate", "sliding" or "exact"
-    bytes: int
-    full_bytes: int
-    rows_stored_exactly: int = 0
-    appended_bytes: int = 0  # tokens added after the prefill, stored exactly (part of `bytes`)
-
-    @property
-    def fraction(self) -> float:
-        return self.bytes / self.full_bytes if self.full_bytes else 1.0
-
-    @property
-    def prompt_fraction(self) -> float:
-        full = self.full_bytes - self.appended_bytes
-        return (self.bytes - self.appended_bytes) / full if full else 1.0
+__all__ = ["Footprint", "LayerFootprint", "UNBOUND_MESSAGE", "VarRateCache", "VarRateLayer", "VarRateWarning"]
 
 
 @dataclass
@@ -63,6 +39,11 @@ class Footprint:
         return sum(layer.full_bytes for layer in self.layers)
 
     @property
+    def held_bytes(self) -> int:
+        """Bytes of the tensors really held: `bytes` in compact storage, full K/V plus codes in materialized."""
+        return sum(layer.bytes if layer.held_bytes is None else layer.held_bytes for layer in self.layers)
+
+    @property
     def fraction(self) -> float:
         return self.bytes / self.full_bytes if self.full_bytes else 1.0
 
@@ -75,156 +56,53 @@ class Footprint:
 
     def __repr__(self):
         return (f"Footprint(bytes={self.bytes}, full_bytes={self.full_bytes}, fraction={self.fraction:.4f}, "
-                f"prompt_fraction={self.prompt_fraction:.4f})")
-
-
-class VarRateLayer(DynamicLayer):
-    """One full-attention layer: compresses its prompt once, then grows exactly like a DynamicLayer.
-
-    `codes[b]` is sequence b's `PromptCode`; `positions[b]` the cache slots of its real (non-padding)
-    prompt tokens; `appended` counts tokens added after the prefill.
-    """
-
-    def __init__(self, layer_idx: int, bases: Bases, config: VarRateConfig):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.bases = bases
-        self.config = config
-        self._reset_state()
-
-    def _reset_state(self):
-        self.prefill_context: PrefillContext | None = None
-        self.prefilled = False
-        self.codes: list[PromptCode] = []
-        self.positions: list[torch.Tensor] = []
-        self.prompt_len = 0
-        self.appended = 0
-
-    @property
-    def awaits_prefill(self) -> bool:
-        return not self.prefilled
-
-    @property
-    def ranks(self):
-        """Per-token ranks of the coded tokens: a LongTensor [C] for one sequence, a list for a batch."""
-        ranks = [code.ranks.long() for code in self.codes]
-        return ranks[0] if len(ranks) == 1 else ranks
-
-    @property
-    def rows_stored_exactly(self) -> int:
-        return sum(code.stored_exactly for code in self.codes)
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        if self.prefilled or key_states.shape[-2] <= 1:
-            self.appended += key_states.shape[-2] if self.prefilled else 0
-            self.prefilled = True
-            return super().update(key_states, value_states)
-        self.prefilled = True
-        context, self.prefill_context = self.prefill_context, None
-        if context is None:
-            raise RuntimeError(UNBOUND_MESSAGE)
-        self.keys, self.values = self._compress(key_states, value_states, context)
-        self.prompt_len = key_states.shape[-2]
-        return key_states, value_states  # the prefill attends to the exact K/V
-
-    def _compress(self, keys, values, context: PrefillContext):
-        if not (torch.isfinite(keys).all() and torch.isfinite(values).all()):
-            raise ValueError(
-                f"layer {self.layer_idx}: keys or values contain NaN or inf at the prefill; VarRate refuses to "
-                f"code them. Check the model's dtype (fp16 overflow?) and inputs"
-            )
-        basis = self.bases.for_layer(self.layer_idx, keys.device)
-        out_k, out_v = keys.clone(), values.clone()
-        for b in range(keys.shape[0]):
-            pos = self._row_positions(context, b, keys)
-            code = self._compress_row(keys[b : b + 1, :, pos], values[b : b + 1, :, pos], context, b, pos, basis)
-            if not code.stored_exactly:
-                k, v = keys[b : b + 1, :, pos], values[b : b + 1, :, pos]
-                cos, sin = _row(context.cos, b)[:, pos], _row(context.sin, b)[:, pos]
-                k_hat, v_hat = decode_prompt(code, k[:, :, code.exact_pos], v[:, :, code.exact_pos], cos, sin, basis)
-                out_k[b : b + 1, :, pos], out_v[b : b + 1, :, pos] = k_hat, v_hat
-            self.codes.append(code)
-            self.positions.append(pos)
-        return out_k, out_v
-
-    def _row_positions(self, context, b, keys):
-        if context.key_valid is None:
-            return torch.arange(keys.shape[-2], device=keys.device)
-        return context.key_valid[b].nonzero()[:, 0].to(keys.device)
-
-    def _compress_row(self, k, v, context, b, pos, basis):
-        queries = _row(context.queries, b)
-        queries = queries[:, :, -min(queries.shape[2], pos.numel()) :] if pos.numel() else queries[:, :, :0]
-        cos, sin = _row(context.cos, b)[:, pos], _row(context.sin, b)[:, pos]
-        return encode_prompt(k, v, queries, cos, sin, basis, self.config, context.scaling)
-
-    def footprint(self) -> LayerFootprint:
-        if not self.codes:  # never compressed: held exactly, like a DynamicLayer
-            held = _valid_tokens_bytes(self)
-            return LayerFootprint(self.layer_idx, "exact", held, held)
-        per_token = self.codes[0].width * self.codes[0].kv_bytes
-        kept_prompt = self.get_seq_length() - self.appended
-        stored = sum(code.nbytes(limit=kept_prompt - (self.prompt_len - code.seq_len)) for code in self.codes)
-        full = sum(min(code.seq_len, kept_prompt - (self.prompt_len - code.seq_len)) for code in self.codes)
-        tail = self.appended * len(self.codes) * per_token
-        return LayerFootprint(self.layer_idx, "varrate", stored + tail, full * per_token + tail,
-                              self.rows_stored_exactly, tail)
-
-    # cache operations: the tensors follow DynamicLayer, the per-sequence codes follow the tensors
-    def reset(self) -> None:
-        super().reset()
-        self._reset_state()
-
-    def crop(self, tokens_to_remove: int) -> None:
-        length = self.get_seq_length()
-        super().crop(tokens_to_remove)
-        removed = length - self.get_seq_length()
-        self.appended = max(self.appended - removed, 0)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        super().reorder_cache(beam_idx)
-        self._select_rows(beam_idx.tolist())
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        super().batch_repeat_interleave(repeats)
-        self._select_rows([i for i in range(len(self.codes)) for _ in range(repeats)])
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        super().batch_select_indices(indices)
-        rows = torch.arange(len(self.codes))[indices.cpu() if torch.is_tensor(indices) else indices]
-        self._select_rows(rows.tolist())
-
-    def _select_rows(self, rows: list[int]) -> None:
-        if self.codes:
-            self.codes = [self.codes[i] for i in rows]
-            self.positions = [self.positions[i] for i in rows]
+                f"prompt_fraction={self.prompt_fraction:.4f}, held_bytes={self.held_bytes})")
 
 
 class VarRateCache(Cache):
     """A transformers `Cache` that compresses each full-attention layer's prompt with VarRate.
 
-    Sliding-window layers (e.g. Gemma-3's local layers) stay the model's own sliding layers.
-    Use `VarRateCache.from_pretrained(bases_dir_or_repo, model=model, budget=0.2)`.
+    Use `VarRateCache.from_pretrained(bases_dir_or_repo, model=model, budget=0.2)`. `model=` (or
+    `rope=`) gives the rotary frequencies that `storage="compact"` needs to re-rotate keys.
     """
 
     is_compileable = False
 
-    def __init__(self, bases: Bases, config: VarRateConfig | None = None, *, model_config, **overrides):
-        config = (config or VarRateConfig()).replace(**overrides) if overrides else (config or VarRateConfig())
+    def __init__(self, bases: Bases, config: VarRateConfig | None = None, *, model_config=None, model=None,
+                 rope: RotaryFrequencies | None = None, **overrides):
+        config = config or VarRateConfig()
+        config = config.replace(**overrides) if overrides else config
+        if model_config is None and model is None:
+            raise ValueError("VarRateCache needs model_config= (or model=) to lay out its layers")
+        model_config = model.config if model_config is None else model_config
+        rope = rope if rope is not None or model is None else RotaryFrequencies.from_model(model)
+        if config.storage == "compact" and rope is None:
+            raise ValueError(
+                "storage='compact' re-rotates keys at every read and needs the model's rotary frequencies: pass "
+                "model=model (VarRateCache(bases, model=model, storage='compact')) or use "
+                "VarRateCache.from_pretrained(path, model=model, storage='compact')"
+            )
         text_config = model_config.get_text_config(decoder=True)
         shape = describe(model_config)
+        bases.validate(model_config)  # a BasesError naming what differs, not a shape crash at the prefill
+        cap = min(config.rank or bases.rank, bases.rank, shape.width)
+        if config.r_min > cap:
+            raise ValueError(f"r_min must be <= the rank cap R = min(rank, basis rank, D) = {cap}, got r_min="
+                             f"{config.r_min}; lower r_min to at most {cap} (or use bases of higher rank)")
+        memo = RopeMemo()
         layers = []
         for i, kind in enumerate(layer_types(text_config)):
             if kind == "sliding_attention":
                 layers.append(DynamicSlidingWindowLayer(sliding_window=shape.sliding_window))
             else:
-                layers.append(VarRateLayer(i, bases, config))
+                layers.append(VarRateLayer(i, bases, config, rope, memo))
         super().__init__(layers=layers)
         self.config = config
         self.bases = bases
         self.model_shape = shape
+        self.rope = rope
+        self.rope_memo = memo
+        self._last_varrate = max((i for i, layer in enumerate(layers) if isinstance(layer, VarRateLayer)), default=-1)
         self._warned_exact = False
 
     @classmethod
@@ -240,13 +118,18 @@ class VarRateCache(Cache):
         calibrated = {k: bases.metadata[k] for k in ("stride", "window", "n_anchors") if k in bases.metadata}
         config = VarRateConfig(**{**calibrated, **config_overrides})
         bind(model)
-        return cls(bases, config, model_config=model.config)
+        cache = cls(bases, config, model_config=model.config, model=model)
+        cache.bases_source = str(path_or_repo_id)
+        return cache
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        check_fits(self.model_shape, layer_idx, num_kv_heads=key_states.shape[1], head_dim=key_states.shape[-1])
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         layer = self.layers[layer_idx]
+        if layer_idx == self._last_varrate:
+            self.rope_memo.clear()  # the forward's RoPE tables are not kept between forwards
         warn = self.config.budget < 1.0 and not self._warned_exact  # budget 1.0 means: keep everything
-        if warn and isinstance(layer, VarRateLayer) and layer.rows_stored_exactly:
+        if warn and isinstance(layer, VarRateLayer) and any(map(_over_budget, layer.codes)):
             self._warned_exact = True
             warnings.warn(
                 f"budget={self.config.budget} cannot cover the exact set (stride {self.config.stride}, window "
@@ -265,17 +148,36 @@ class VarRateCache(Cache):
             if isinstance(layer, VarRateLayer):
                 layers.append(layer.footprint())
             else:
-                held = _valid_tokens_bytes(layer)
+                held = _tensor_bytes(layer.keys, layer.values) if layer.is_initialized else 0
                 layers.append(LayerFootprint(i, "sliding", held, held))
         return Footprint(layers)
 
+    # a compressed document, saved and loaded (safetensors + JSON; see hf_varrate.serialization) -----------
+    def save_pretrained(self, save_directory: str | os.PathLike) -> None:
+        """Write this cache's codes, exact tokens and settings to `save_directory`."""
+        from .serialization import save_cache
 
-def _row(tensor: torch.Tensor, b: int) -> torch.Tensor:
-    """Row b of a [B or 1, ...] tensor, keeping the batch dim (cos/sin may be shared across rows)."""
-    return tensor[b : b + 1] if tensor.shape[0] > 1 else tensor
+        save_cache(self, save_directory)
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike, model, *, bases: Bases | None = None, **config_overrides) -> VarRateCache:
+        """Load a cache saved by `save_pretrained` for `model` (bound on return). The bases are the ones it was
+        saved with (read again from where they came, or pass `bases=`); `storage=` may be overridden."""
+        from .serialization import load_cache
+
+        return load_cache(cls, directory, model, bases=bases, **config_overrides)
+
+    def __deepcopy__(self, memo):
+        import copy
+
+        clone = type(self).__new__(type(self))
+        memo[id(self)] = clone
+        for name, value in self.__dict__.items():
+            setattr(clone, name, copy.deepcopy(value, memo))
+        clone.rope_memo.clear()
+        return clone
 
 
-def _valid_tokens_bytes(layer) -> int:
-    if not layer.is_initialized or layer.keys is None:
-        return 0
-    return layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+def _over_budget(code) -> bool:
+    """Stored exactly because the budget fell short; not a prompt with nothing to code (all anchors or window)."""
+    return code.stored_exactly and not bool(exact_mask(code.seq_len, code.stride, code.window).all())

@@ -1,0 +1,75 @@
+"""The model's RoPE frequencies, so compact storage can re-rotate keys without holding cos/sin tables.
+
+A compact layer reconstructs its coded keys at every read and must rotate them exactly as the model
+did at the prefill. Holding the prefill's cos/sin [S, d] per layer would cost memory, so the cache
+keeps the model's `inv_freq` [d/2] and `attention_scaling` (bytes) and recomputes the tables; the
+layer checks at its prefill that they equal the model's own bit for bit (`offset_of`) and stays
+materialized where they don't (e.g. custom position ids). One forward computes them once for all
+layers (`RopeMemo`), and drops them when its last compact layer has read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .codec.rope import rope_tables, sample_positions
+
+
+@dataclass(frozen=True)
+class RotaryFrequencies:
+    """inv_freq [d/2] fp32 and attention_scaling of the rotary embedding the compressed layers use."""
+
+    inv_freq: torch.Tensor
+    scaling: float
+
+    def tables(self, length: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [1, length, d] for positions 0..length-1."""
+        return self.tables_at(torch.arange(length, device=device), dtype)
+
+    def tables_at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_tables(positions, self.inv_freq, self.scaling, dtype)
+
+    def offset_of(self, cos: torch.Tensor, sin: torch.Tensor, candidates=(0,)) -> int | None:
+        """The first offset o among `candidates` for which the model's tables cos, sin [1, n, d] are ours
+        for positions o..o+n-1, bit for bit (checked on a spread sample of positions); None if none is."""
+        picks = sample_positions(cos.shape[1], device=cos.device)
+        for offset in candidates:
+            mine_cos, mine_sin = self.tables_at(picks + offset, cos.dtype)
+            if torch.equal(mine_cos, cos[:, picks]) and torch.equal(mine_sin, sin[:, picks]):
+                return offset
+        return None
+
+    @classmethod
+    def from_model(cls, model, layer_type: str = "full_attention") -> RotaryFrequencies | None:
+        """Read them off the model's rotary embedding module; None if it has none we recognise."""
+        for module in model.modules():
+            if not type(module).__name__.endswith("RotaryEmbedding"):
+                continue
+            inv_freq = getattr(module, f"{layer_type}_inv_freq", None)  # Gemma-3: one per layer type
+            scaling = getattr(module, f"{layer_type}_attention_scaling", None)
+            if inv_freq is None:
+                inv_freq, scaling = getattr(module, "inv_freq", None), getattr(module, "attention_scaling", None)
+            if torch.is_tensor(inv_freq):
+                return cls(inv_freq.detach().float().clone(), float(1.0 if scaling is None else scaling))
+        return None
+
+
+class RopeMemo:
+    """One cache's cos/sin tables for the current forward, shared by its compact layers."""
+
+    def __init__(self):
+        self._key = None
+        self._tables = None
+
+    def tables(self, rope: RotaryFrequencies, length: int, dtype: torch.dtype, device, offset: int = 0):
+        """cos, sin [1, length, d] for positions offset..offset+length-1."""
+        key = (id(rope), dtype, torch.device(device))
+        if self._key != key or self._tables[0].shape[1] < offset + length:
+            self._key, self._tables = key, rope.tables(offset + length, dtype, device)
+        cos, sin = self._tables
+        return cos[:, offset : offset + length], sin[:, offset : offset + length]
+
+    def clear(self) -> None:
+        self._key = self._tables = None

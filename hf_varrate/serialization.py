@@ -1,0 +1,334 @@
+"""Save a compressed cache and load it in another process: compress a document once, answer later.
+
+A saved cache is a directory of two plain files:
+
+- `cache.safetensors`: per VarRate layer and row, the codes (`neighbours`, `ranks`, coefficients or
+  their quantized `codes` / `mins` / `steps`) and the exact tokens; the tokens appended after the
+  prefill; the sliding layers' K/V; the RoPE `inv_freq` the keys were rotated with.
+- `cache_config.json`: sorted keys: format version, library version, the `VarRateConfig`, the
+  model's shape, where the bases came from and a sha256 fingerprint of them, per-layer bookkeeping,
+  and the sha256 of the tensor file, checked before it is read.
+
+Only safetensors and JSON are read: no pickle, no `torch.load`. Whatever is wrong with a saved cache
+(missing, corrupt, another model, other bases) raises `CacheFileError` saying what and how to fix it.
+A cache saved in either storage mode holds codes only, so it is as small as the footprint says.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from transformers.cache_utils import DynamicSlidingWindowLayer
+
+from .architecture import describe
+from .bases import Bases, BasesError
+from .binding import bind
+from .codec import PromptCode, QuantizedCoefs, decode_prompt
+from .config import VarRateConfig
+from .layer import VarRateLayer
+
+TENSORS_NAME = "cache.safetensors"
+CONFIG_NAME = "cache_config.json"
+FORMAT_VERSION = 1
+MAX_CONFIG_BYTES = 64 << 20  # per-layer bookkeeping of a large batch stays far below this
+
+
+class CacheFileError(ValueError):
+    """A saved cache is missing, corrupt, or does not fit the model (or bases) it is loaded with."""
+
+
+def bases_fingerprint(bases: Bases) -> str:
+    """sha256 over every layer's basis (index, dtype, shape, bytes): which bases a cache was coded with."""
+    digest = hashlib.sha256()
+    for i in sorted(bases.tensors):
+        tensor = bases.tensors[i].detach().cpu().contiguous()
+        digest.update(f"{i}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+# saving ------------------------------------------------------------------------------------------------
+def save_cache(cache, directory: str | os.PathLike) -> None:
+    """Write `cache` (a VarRateCache after its prefill) to `directory` (created if needed)."""
+    from . import __version__
+
+    tensors, layers = {}, []
+    for i, layer in enumerate(cache.layers):
+        layers.append(_save_layer(i, layer, tensors))
+    if cache.rope is not None:
+        tensors["rope.inv_freq"] = cache.rope.inv_freq
+    tensors = {name: t.detach().contiguous().cpu().clone() for name, t in tensors.items()}
+    folder = Path(directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensor_path = folder / TENSORS_NAME
+    with tempfile.NamedTemporaryFile(dir=folder, suffix=".tmp", delete=False) as tmp:
+        tmp_name = tmp.name
+    save_file(tensors, tmp_name, metadata={"format": "pt", "library": "hf_varrate"})
+    digest = _sha256(Path(tmp_name))
+    os.replace(tmp_name, tensor_path)
+    shape = cache.model_shape
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "library_version": __version__,
+        "config": cache.config.to_dict(),
+        "model": {"model_id": shape.model_id, "num_layers": shape.num_layers, "num_kv_heads": shape.num_kv_heads,
+                  "head_dim": shape.head_dim, "compressed_layers": list(shape.compressed_layers)},
+        "bases": {"source": getattr(cache, "bases_source", None) or _source_of(cache.bases),
+                  "sha256": bases_fingerprint(cache.bases)},
+        "rope_scaling": None if cache.rope is None else cache.rope.scaling,
+        "layers": layers,
+        "tensor_file": TENSORS_NAME,
+        "sha256": digest,
+    }
+    _write_atomic(folder / CONFIG_NAME, json.dumps(meta, indent=1, sort_keys=True).encode())
+
+
+def _save_layer(i: int, layer, tensors: dict) -> dict:
+    if not layer.is_initialized or layer.keys is None:
+        return {"kind": "empty"}
+    if isinstance(layer, VarRateLayer) and layer.codes and not layer.compact and layer.prompt_kept < layer.prompt_len:
+        raise CacheFileError(f"layer {i} was cropped into its compressed prompt in materialized storage, which drops "
+                             f"exact tokens its codes need; save before cropping, or use storage='compact'")
+    if isinstance(layer, DynamicSlidingWindowLayer):
+        tensors[f"layers.{i}.keys"], tensors[f"layers.{i}.values"] = layer.keys, layer.values
+        return {"kind": "sliding", "cumulative_length": layer.cumulative_length}
+    if not isinstance(layer, VarRateLayer) or not layer.codes:
+        tensors[f"layers.{i}.keys"], tensors[f"layers.{i}.values"] = layer.keys, layer.values
+        return {"kind": "exact"}
+    rows = [_save_row(f"layers.{i}.rows.{b}", layer, b, tensors) for b in range(len(layer.codes))]
+    tail_k, tail_v = (layer.keys, layer.values) if layer.compact else (
+        layer.keys[..., layer.prompt_kept :, :], layer.values[..., layer.prompt_kept :, :])
+    tensors[f"layers.{i}.appended_keys"], tensors[f"layers.{i}.appended_values"] = tail_k, tail_v
+    return {"kind": "varrate", "prompt_len": layer.prompt_len, "prompt_kept": layer.prompt_kept,
+            "appended": layer.appended, "rows": rows, "dtype": str(tail_k.dtype).removeprefix("torch.")}
+
+
+def _save_row(prefix: str, layer: VarRateLayer, b: int, tensors: dict) -> dict:
+    code, span, offset = layer.codes[b], layer._spans[b], layer._offsets[b]
+    if offset is None:
+        raise CacheFileError(f"layer {layer.layer_idx} row {b}: its keys were rotated at positions the cache did not "
+                             f"record (no rotary frequencies, or custom position ids), so it cannot be rebuilt; build "
+                             f"the cache with model=model and let the model number the positions")
+    if code.exact_keys is not None:
+        exact_k, exact_v = code.exact_keys, code.exact_values
+    else:  # materialized: the exact tokens sit in the full-length tensors
+        slots = (torch.arange(*span, device=layer.keys.device) if isinstance(span, tuple) else span)[code.exact_pos]
+        exact_k, exact_v = layer.keys[b : b + 1, :, slots], layer.values[b : b + 1, :, slots]
+    tensors[f"{prefix}.exact_keys"], tensors[f"{prefix}.exact_values"] = exact_k, exact_v
+    row = {"seq_len": code.seq_len, "stride": code.stride, "window": code.window, "width": code.width,
+           "kv_bytes": code.kv_bytes, "stored_exactly": code.stored_exactly, "rope_offset": offset,
+           "span": list(span) if isinstance(span, tuple) else None}
+    if not isinstance(span, tuple):
+        tensors[f"{prefix}.slots"] = span
+    if code.stored_exactly:
+        return row
+    tensors[f"{prefix}.neighbours"], tensors[f"{prefix}.ranks"] = code.neighbours, code.ranks
+    if isinstance(code.coefs, QuantizedCoefs):
+        q = code.coefs
+        tensors[f"{prefix}.codes"], tensors[f"{prefix}.mins"], tensors[f"{prefix}.steps"] = q.codes, q.mins, q.steps
+        row["quantized"] = {"bits": q.bits, "group": q.group, "count": q.count}
+    else:
+        tensors[f"{prefix}.coefs"] = code.coefs
+    return row
+
+
+# loading -----------------------------------------------------------------------------------------------
+def load_cache(cls, directory: str | os.PathLike, model, *, bases: Bases | None = None, device=None,
+               **config_overrides):
+    """Rebuild a saved cache for `model` (see `VarRateCache.load`)."""
+    if model is None:
+        raise CacheFileError("model= is required: VarRateCache.load(directory, model=model)")
+    folder = Path(directory)
+    meta = read_config(folder)
+    tensors = read_tensors(folder, meta)
+    _check_model(meta, model, folder)
+    bases = bases if bases is not None else _load_bases(meta, model)
+    if bases_fingerprint(bases) != meta["bases"]["sha256"]:
+        raise CacheFileError(f"{folder} was coded with other bases than the ones given (sha256 differs); pass the "
+                             f"bases it was saved with: VarRateCache.load(dir, model=model, bases=...)")
+    try:
+        config = VarRateConfig.from_dict(meta["config"], **config_overrides)
+    except (TypeError, ValueError) as err:
+        raise CacheFileError(f"{folder / CONFIG_NAME} has an invalid config: {err}") from err
+    device = device if device is not None else next(model.parameters()).device
+    cache = cls(bases, config, model_config=model.config, model=model)
+    cache.bases_source = meta["bases"]["source"]
+    _check_rope(cache, tensors, meta, folder)
+    try:
+        for i, info in enumerate(meta["layers"]):
+            _load_layer(cache, i, info, tensors, device)
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as err:
+        raise CacheFileError(f"{folder} does not hold a consistent cache ({type(err).__name__}: {err}); save it "
+                             f"again with cache.save_pretrained(dir)") from err
+    bind(model)
+    return cache
+
+
+def read_config(folder: Path) -> dict:
+    path = folder / CONFIG_NAME
+    if not path.is_file():
+        raise CacheFileError(f"{folder} is not a saved VarRate cache: {CONFIG_NAME} is missing (write one with "
+                             f"cache.save_pretrained(dir))")
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise CacheFileError(f"{path} is {path.stat().st_size} bytes, larger than any saved cache's config")
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CacheFileError(f"{path} is not valid JSON ({err}); save the cache again") from err
+    required = ("format_version", "config", "model", "bases", "layers", "sha256", "tensor_file")
+    if not isinstance(meta, dict) or any(key not in meta for key in required):
+        raise CacheFileError(f"{path} misses fields of a saved cache (needs {list(required)}); save the cache again")
+    if meta["format_version"] != FORMAT_VERSION:
+        raise CacheFileError(f"{path} has format_version {meta['format_version']!r}; this hf_varrate reads "
+                             f"{FORMAT_VERSION} (pip install -U hf_varrate, or save the cache again)")
+    if meta["tensor_file"] != TENSORS_NAME or not isinstance(meta["layers"], list):
+        raise CacheFileError(f"{path} names tensor file {meta['tensor_file']!r}, expected {TENSORS_NAME!r}")
+    return meta
+
+
+def read_tensors(folder: Path, meta: dict) -> dict[str, torch.Tensor]:
+    path = folder / TENSORS_NAME
+    if not path.is_file():
+        raise CacheFileError(f"{path} is missing; save the cache again with cache.save_pretrained(dir)")
+    if _sha256(path) != meta["sha256"]:
+        raise CacheFileError(f"{path} does not match the sha256 in {CONFIG_NAME} (corrupt or modified); save the "
+                             f"cache again")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise CacheFileError(f"{path} is not a readable safetensors file ({err}); save the cache again") from err
+
+
+def _check_model(meta: dict, model, folder: Path) -> None:
+    shape, saved = describe(model.config), meta["model"]
+    mine = {"num_layers": shape.num_layers, "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim,
+            "compressed_layers": list(shape.compressed_layers)}
+    for name, value in mine.items():
+        if saved.get(name) != value:
+            raise CacheFileError(f"{folder} was saved for another model: {name} is {saved.get(name)!r} there but "
+                                 f"{value!r} in this one ({saved.get('model_id')!r} vs {shape.model_id!r})")
+    if len(meta["layers"]) != shape.num_layers:
+        raise CacheFileError(f"{folder} has {len(meta['layers'])} layers, the model {shape.num_layers}")
+
+
+def _check_rope(cache, tensors: dict, meta: dict, folder: Path) -> None:
+    saved = tensors.get("rope.inv_freq")
+    if saved is None:
+        return
+    if cache.rope is None or not torch.equal(saved, cache.rope.inv_freq.cpu()) or \
+            meta.get("rope_scaling") != cache.rope.scaling:
+        raise CacheFileError(f"{folder} was saved with other RoPE frequencies than this model's; load it with the "
+                             f"model it was saved with")
+
+
+def _load_bases(meta: dict, model) -> Bases:
+    source = meta["bases"].get("source")
+    if source == "identity":
+        return Bases.identity(model.config)
+    if not source:
+        raise CacheFileError("the saved cache does not say where its bases came from; pass them: "
+                             "VarRateCache.load(dir, model=model, bases=Bases.from_pretrained(...))")
+    try:
+        return Bases.from_pretrained(source)
+    except (BasesError, OSError) as err:
+        raise CacheFileError(f"could not read the bases the cache was saved with ({source}): {err}; pass them: "
+                             f"VarRateCache.load(dir, model=model, bases=...)") from err
+
+
+def _load_layer(cache, i: int, info: dict, tensors: dict, device) -> None:
+    layer, kind = cache.layers[i], info["kind"]
+    if kind == "empty":
+        return
+    if kind in ("sliding", "exact"):
+        keys, values = tensors[f"layers.{i}.keys"].to(device), tensors[f"layers.{i}.values"].to(device)
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys, values
+        if kind == "sliding":
+            layer.cumulative_length = int(info["cumulative_length"])
+        else:
+            layer.prefilled, layer.storage = True, "materialized"
+        return
+    if not isinstance(layer, VarRateLayer):
+        raise ValueError(f"layer {i} is a VarRate layer in the file but not in this model")
+    tail_k, tail_v = tensors[f"layers.{i}.appended_keys"].to(device), tensors[f"layers.{i}.appended_values"].to(device)
+    layer.lazy_initialization(tail_k, tail_v)
+    layer.prefilled = True
+    layer.prompt_len, layer.prompt_kept, layer.appended = info["prompt_len"], info["prompt_kept"], info["appended"]
+    for b, row in enumerate(info["rows"]):
+        code, span = _load_row(f"layers.{i}.rows.{b}", row, tensors, device)
+        layer.codes.append(code)
+        layer._spans.append(span)
+        layer._offsets.append(int(row["rope_offset"]))
+    layer.keys, layer.values = tail_k, tail_v
+    if layer.storage != "compact":
+        layer.keys, layer.values = _materialize(cache, layer, tail_k, tail_v)
+        for code in layer.codes:
+            code.exact_keys = code.exact_values = None
+
+
+def _load_row(prefix: str, row: dict, tensors: dict, device) -> tuple[PromptCode, object]:
+    get = lambda name: tensors[f"{prefix}.{name}"].to(device)  # noqa: E731
+    exact_k, exact_v = get("exact_keys"), get("exact_values")
+    empty = torch.empty(0, dtype=torch.int16, device=device)
+    code = PromptCode(int(row["seq_len"]), int(row["stride"]), int(row["window"]), empty.view(0, 1), empty,
+                      empty.to(exact_k.dtype), int(row["width"]), int(row["kv_bytes"]), bool(row["stored_exactly"]),
+                      exact_k, exact_v)
+    if not code.stored_exactly:
+        code.neighbours, code.ranks = get("neighbours"), get("ranks")
+        if "quantized" in row:
+            q = row["quantized"]
+            code.coefs = QuantizedCoefs(get("codes"), get("mins"), get("steps"), int(q["bits"]), int(q["group"]),
+                                        int(q["count"]))
+        else:
+            code.coefs = get("coefs")
+    if exact_k.shape[-2] != code.exact_pos.numel():
+        raise ValueError(f"{prefix}: {exact_k.shape[-2]} exact tokens stored, {code.exact_pos.numel()} expected")
+    span = tuple(row["span"]) if row["span"] is not None else get("slots")
+    return code, span
+
+
+def _materialize(cache, layer: VarRateLayer, tail_k, tail_v):
+    """Full-length K/V of a materialized layer: every row's prompt decoded once, then its appended tokens."""
+    if cache.rope is None:
+        raise ValueError("rebuilding a materialized layer needs the model's rotary frequencies (none found); "
+                         "load with storage='compact' or pass rope=")
+    batch, heads, _, dim = tail_k.shape
+    keys = tail_k.new_zeros(batch, heads, layer.prompt_len, dim)
+    values = tail_v.new_zeros(batch, heads, layer.prompt_len, dim)
+    basis = cache.bases.for_layer(layer.layer_idx, tail_k.device)
+    for b, (code, span) in enumerate(zip(layer.codes, layer._spans)):
+        offset = layer._offsets[b]
+        cos, sin = cache.rope.tables(offset + code.seq_len, tail_k.dtype, tail_k.device)
+        cos, sin = cos[:, offset:], sin[:, offset:]
+        k_hat, v_hat = decode_prompt(code, code.exact_keys, code.exact_values, cos, sin, basis)
+        slots = torch.arange(*span, device=tail_k.device) if isinstance(span, tuple) else span
+        keys[b, :, slots], values[b, :, slots] = k_hat[0], v_hat[0]
+    keep = layer.prompt_kept
+    return torch.cat([keys[..., :keep, :], tail_k], dim=-2), torch.cat([values[..., :keep, :], tail_v], dim=-2)
+
+
+def _source_of(bases: Bases) -> str | None:
+    if bases.metadata.get("calibration") == "identity":
+        return "identity"
+    return bases.metadata.get("bases_ref") or bases.metadata.get("source")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as tmp:
+        tmp.write(data)
+    os.replace(tmp.name, path)

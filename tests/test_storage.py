@@ -1,0 +1,168 @@
+"""Tier (b) and (d): compact storage (codes only, reconstruct per read) against materialized storage."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import hf_varrate
+from hf_varrate import Bases, VarRateCache, VarRateLayer, VarRateWarning
+from hf_varrate.rotary import RotaryFrequencies
+
+from test_cache import SMALL, greedy, prompt
+
+
+def make(model, storage, **overrides):
+    hf_varrate.bind(model)
+    settings = {**SMALL, "budget": 0.4, **overrides}
+    return VarRateCache(Bases.identity(model.config), model=model, storage=storage, **settings)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3", "tiny_gemma3"])
+@pytest.mark.parametrize("overrides", [{}, {"coef_bits": 3}])
+def test_compact_and_materialized_generate_the_same_tokens(fixture, overrides, request):
+    model = request.getfixturevalue(fixture)
+    ids = prompt(model, 300)
+    caches = {storage: make(model, storage, **overrides) for storage in ("materialized", "compact")}
+    outs = {storage: greedy(model, ids, cache, new=12) for storage, cache in caches.items()}
+    assert torch.equal(outs["materialized"], outs["compact"])
+    compact = [layer for layer in caches["compact"].layers if isinstance(layer, VarRateLayer)]
+    assert all(layer.compact for layer in compact)
+    assert caches["compact"].footprint().bytes == caches["materialized"].footprint().bytes
+
+
+def test_left_padded_batch_is_identical_in_both_storages(tiny_llama):
+    long, short = prompt(tiny_llama, 320, seed=3), prompt(tiny_llama, 260, seed=4)
+    ids, mask = torch.zeros(2, 320, dtype=torch.long), torch.zeros(2, 320, dtype=torch.long)
+    ids[0], mask[0] = long[0], 1
+    ids[1, 60:], mask[1, 60:] = short[0], 1
+    outs = [greedy(tiny_llama, ids, make(tiny_llama, storage), attention_mask=mask) for storage in
+            ("materialized", "compact")]
+    assert torch.equal(outs[0], outs[1])
+
+
+def held_tensor_bytes(layer) -> int:
+    """Bytes of every distinct tensor storage reachable from a layer's state (not counting the bases,
+    the rotary frequencies and the per-forward RoPE memo, which are per model or transient)."""
+    seen, total, stack = set(), 0, [layer]
+    skip = {"bases", "rope", "memo", "config", "prefill_context"}
+    while stack:
+        obj = stack.pop()
+        if torch.is_tensor(obj):
+            storage = obj.untyped_storage()
+            if storage.data_ptr() not in seen and storage.nbytes():
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+            stack.extend(v for k, v in vars(obj).items() if k not in skip)
+    return total
+
+
+@pytest.mark.parametrize("overrides", [{}, {"coef_bits": 4}, {"budget": 0.2, "r_min": 16}])
+def test_compact_footprint_is_the_bytes_actually_held(tiny_llama, overrides):
+    cache = make(tiny_llama, "compact", **overrides)
+    greedy(tiny_llama, prompt(tiny_llama, 400), cache, new=5)
+    for layer in cache.layers:
+        fp = layer.footprint()
+        assert fp.bytes == fp.held_bytes == held_tensor_bytes(layer)
+    assert cache.footprint().held_bytes == cache.footprint().bytes
+    assert cache.rope_memo._tables is None  # RoPE tables live for one forward only
+
+
+def test_compact_prompt_stays_within_the_budget_and_materialized_holds_more(tiny_llama):
+    caches = {s: make(tiny_llama, s, budget=0.3) for s in ("compact", "materialized")}
+    for cache in caches.values():
+        with torch.no_grad():
+            tiny_llama(prompt(tiny_llama, 600), past_key_values=cache)
+    compact, materialized = caches["compact"].footprint(), caches["materialized"].footprint()
+    assert compact.held_bytes <= (0.3 + 0.005) * compact.full_bytes
+    assert materialized.held_bytes > compact.full_bytes  # full K/V plus the codes
+
+
+def test_crop_reorder_select_match_materialized(tiny_llama):
+    caches = {s: make(tiny_llama, s) for s in ("materialized", "compact")}
+    ids = prompt(tiny_llama, 300, batch=2)
+    more = prompt(tiny_llama, 4, batch=2, seed=9)
+    nexts = {}
+    for storage, cache in caches.items():
+        with torch.no_grad():
+            tiny_llama(ids, past_key_values=cache)
+            tiny_llama(more, past_key_values=cache)
+            cache.crop(-2)  # appended tokens only
+            assert cache.get_seq_length() == 302
+            cache.crop(-12)  # into the compressed prompt
+            assert cache.get_seq_length() == 290 and cache.layers[0].appended == 0
+            cache.reorder_cache(torch.tensor([1, 0]))
+            cache.batch_repeat_interleave(2)
+            cache.batch_select_indices(torch.tensor([0, 3]))
+            step = prompt(tiny_llama, 3, batch=2, seed=11)
+            positions = torch.arange(290, 293)[None].expand(2, -1)
+            nexts[storage] = tiny_llama(step, past_key_values=cache, position_ids=positions).logits
+    assert torch.equal(nexts["materialized"], nexts["compact"])
+    compact = caches["compact"]
+    assert compact.get_seq_length() == 293
+    for layer in compact.layers:
+        assert layer.footprint().bytes == held_tensor_bytes(layer)
+    compact.reset()
+    assert compact.get_seq_length() == 0 and compact.layers[0].awaits_prefill
+
+
+def test_deepcopy_reuse_in_compact_storage(tiny_llama):
+    doc = prompt(tiny_llama, 300)
+    base = make(tiny_llama, "compact")
+    with torch.no_grad():
+        tiny_llama(doc, past_key_values=base)
+    for seed in (1, 2):
+        ids = torch.cat([doc, prompt(tiny_llama, 6, seed=seed)], dim=1)
+        fresh = make(tiny_llama, "materialized")
+        with torch.no_grad():
+            tiny_llama(doc, past_key_values=fresh)
+        assert torch.equal(greedy(tiny_llama, ids, copy.deepcopy(base)), greedy(tiny_llama, ids, fresh))
+    assert base.get_seq_length() == 300 and base.layers[0].appended == 0
+
+
+def test_compact_needs_the_rotary_frequencies(tiny_llama):
+    with pytest.raises(ValueError, match="model=model"):
+        VarRateCache(Bases.identity(tiny_llama.config), model_config=tiny_llama.config, storage="compact")
+
+
+def test_compact_falls_back_to_materialized_when_positions_are_not_0_to_n(tiny_llama):
+    cache = make(tiny_llama, "compact")
+    ids = prompt(tiny_llama, 300)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        tiny_llama(ids, past_key_values=cache, position_ids=torch.arange(7, 307)[None])
+    assert any(issubclass(w.category, VarRateWarning) and "falls back" in str(w.message) for w in caught)
+    assert all(layer.storage == "materialized" and not layer.compact for layer in cache.layers)
+    assert cache.layers[0].keys.shape[-2] == 300
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_gemma3"])
+def test_rotary_frequencies_reproduce_the_models_tables(fixture, request):
+    model = request.getfixturevalue(fixture)
+    rope = RotaryFrequencies.from_model(model)
+    positions = torch.arange(500)[None]
+    rotary = model.model.rotary_emb
+    args = (torch.zeros(1), positions) + (("full_attention",) if "gemma" in fixture else ())
+    cos, sin = rotary(*args)
+    mine_cos, mine_sin = rope.tables(500, torch.float32, "cpu")
+    assert torch.equal(mine_cos, cos) and torch.equal(mine_sin, sin)
+
+
+def test_real_smollm2_compact_equals_materialized(smollm2):
+    model, _ = smollm2
+    ids = torch.randint(100, 20000, (1, 1200), generator=torch.Generator().manual_seed(0))
+    with hf_varrate.bound(model):
+        outs = {}
+        for storage in ("materialized", "compact"):
+            cache = VarRateCache(Bases.identity(model.config), model=model, storage=storage, budget=0.3)
+            with torch.no_grad():
+                outs[storage] = model.generate(ids, max_new_tokens=6, do_sample=False, past_key_values=cache,
+                                               pad_token_id=2, attention_mask=torch.ones_like(ids))
+            fp = cache.footprint()
+            if storage == "compact":
+                assert fp.held_bytes == fp.bytes <= 0.305 * fp.full_bytes
+    assert torch.equal(outs["materialized"], outs["compact"])
