@@ -201,6 +201,7 @@ def test_kivi_replay_equals_live_and_is_counted_in_real_bytes(smollm2):
 @pytest.mark.eval
 @needs_kvpress
 def test_varrate_press_in_kvpress_pipeline_matches_varrate_cache(smollm2):
+    import kvpress  # noqa: F401  (importing kvpress registers the "kv-press-text-generation" pipeline)
     from transformers import pipeline
 
     from hf_varrate import Bases, VarRateCache, VarRateConfig, bound
