@@ -258,6 +258,10 @@ class VarRateLayer(DynamicLayer):
     # cache operations: the tensors follow DynamicLayer, the per-sequence codes follow the tensors ----------
     def reset(self) -> None:
         super().reset()
+        # transformers < 5.24 zeroes the tensors in DynamicLayer.reset; a reset layer must await a
+        # new prefill with nothing held, as it does on newer versions.
+        self.keys = self.values = None
+        self.is_initialized = False
         self._reset_state()
 
     def crop(self, tokens_to_remove: int) -> None:
