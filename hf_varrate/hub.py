@@ -32,6 +32,9 @@ def download_bases(repo_id: str, *, revision: str | None = None, cache_dir=None,
                                    allow_patterns=list(ARTIFACT_FILES), library_name="hf_varrate",
                                    library_version=__version__)
     except Exception as exc:  # the Hub client raises many types (HTTP, offline, validation, OS)
+        cached = _cached_snapshot(repo_id, revision, cache_dir)
+        if cached is not None:
+            return cached
         raise BasesError(
             f"{repo_id!r} is not a local directory, and getting it from the Hub (revision {revision or 'main'}) "
             f"failed: {type(exc).__name__}: {exc}. Pass a folder that holds {WEIGHTS_NAME} and {CONFIG_NAME}, "
@@ -39,6 +42,19 @@ def download_bases(repo_id: str, *, revision: str | None = None, cache_dir=None,
             f"bases with: {BUILD_HINT}"
         ) from exc
     return Path(folder)
+
+
+def _cached_snapshot(repo_id: str, revision: str | None, cache_dir) -> Path | None:
+    """The HF-cache folder of `revision` if both artifact files are there, else None.
+
+    huggingface_hub < 2 cannot resolve a commit hash offline unless a ref points at it, although
+    the cache holds snapshots/<commit>/; a pinned revision must load offline on every version.
+    """
+    from huggingface_hub import try_to_load_from_cache
+
+    paths = [try_to_load_from_cache(repo_id, name, cache_dir=cache_dir, revision=revision)
+             for name in (WEIGHTS_NAME, CONFIG_NAME)]
+    return Path(paths[0]).parent if all(isinstance(p, str) for p in paths) else None
 
 
 def push_folder(folder: str | os.PathLike, repo_id: str, *, private: bool | None = None,
