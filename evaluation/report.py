@@ -49,9 +49,15 @@ def summarize(rows: list[dict], samples: int = 20_000) -> list[dict]:
     return table
 
 
+def pooled(rows: list[dict]) -> list[dict]:
+    """The needle tasks pooled per example (the paper's Appendix A.16: more pairs, same question)."""
+    return [{**row, "task": "niah (pooled)"} for row in rows if row["task"].startswith("niah")]
+
+
 def compare(rows: list[dict], pairs: list[list[str]], samples: int = 20_000) -> list[dict]:
+    """Paired comparisons per cell, plus per (model, length, regime) over the needle tasks pooled."""
     out = []
-    for cell, methods in sorted(cells(rows).items(), key=lambda kv: tuple(map(str, kv[0]))):
+    for cell, methods in sorted(cells(rows + pooled(rows)).items(), key=lambda kv: tuple(map(str, kv[0]))):
         for a, b in pairs:
             if a not in methods or b not in methods:
                 continue
