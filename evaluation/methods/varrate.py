@@ -46,6 +46,11 @@ class VarRateMethod:
     def __init__(self, name: str, spec: dict):
         self.name, self.spec = name, spec
         self.overrides = {k: v for k, v in spec.items() if k not in NOT_CONFIG}
+        known = set(VarRateConfig.__dataclass_fields__)
+        unknown = sorted(set(self.overrides) - known)
+        if unknown:  # a typo must not silently run the defaults under a new name
+            raise ValueError(f"method {name!r}: {unknown} are not VarRateConfig fields (nor kind/bases/impl); "
+                             f"known fields: {sorted(known)}")
         self.impl = spec.get("impl", "cache")
         self._bases: dict[str, Bases] = {}
 
