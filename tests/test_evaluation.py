@@ -80,6 +80,25 @@ def test_press_module_imports_without_kvpress_and_names_the_install(monkeypatch)
         press_module.VarRatePress(bases=None)
 
 
+def test_config_driven_methods_refuse_typos():
+    from evaluation.methods import make_method
+
+    method = make_method("flat", {"kind": "varrate", "budget": 0.2, "signal": "uniform", "bases": "identity"})
+    assert method.overrides == {"budget": 0.2, "signal": "uniform"}
+    with pytest.raises(ValueError, match="budgte"):
+        make_method("typo", {"kind": "varrate", "budgte": 0.2})
+    with pytest.raises(ValueError, match="kind must be one of"):
+        make_method("x", {"kind": "snapkv"})
+
+
+def test_configs_parse():
+    from evaluation.config import load_config
+
+    for name in ("smoke", "full"):
+        config = load_config(REPO / f"evaluation/configs/{name}.yaml")
+        assert config.stages and all(m in config.methods for s in config.stages for m in s.methods)
+
+
 # replay == live (needs kvpress) ----------------------------------------------------------------------
 def _prompt(tokenizer, n=300):
     from hf_varrate.demo import essay_text
