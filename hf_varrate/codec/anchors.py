@@ -6,6 +6,7 @@ Shapes: S tokens, A anchors, C coded tokens, c = n_anchors, D joint width.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def exact_mask(seq_len: int, stride: int, window: int, device=None) -> torch.Tensor:
@@ -73,11 +74,6 @@ def nearest_anchors_mm(z_coded: torch.Tensor, z_anchors: torch.Tensor, n_anchors
 
 
 def gather_means(z_anchors: torch.Tensor, neighbours: torch.Tensor) -> torch.Tensor:
-    """[C, D] fp32 anchor means, z-bar_t, by c row gathers instead of a [C, c, D] tensor."""
-    neighbours = neighbours.long()
-    anchors = z_anchors.float()
-    means = anchors.index_select(0, neighbours[:, 0])
-    scratch = torch.empty_like(means)
-    for j in range(1, neighbours.shape[1]):
-        means += torch.index_select(anchors, 0, neighbours[:, j], out=scratch)
-    return means.div_(neighbours.shape[1])
+    """[C, D] fp32 anchor means, z-bar_t, in one fused gather-and-average (an embedding bag of c
+    rows per token) instead of materialising [C, c, D]."""
+    return F.embedding_bag(neighbours.long(), z_anchors.float(), mode="mean")

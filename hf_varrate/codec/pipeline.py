@@ -63,7 +63,8 @@ def compress_prompt(keys, values, queries, cos, sin, basis, config: VarRateConfi
     if code.stored_exactly:
         return code, None, None
     with record_function("varrate.salience"):
-        salience = _salience(config, queries, keys, scaling, code.coded_pos, code.seq_len)
+        coded_pos, anchor_pos = code.coded_pos, code.anchor_pos
+        salience = _salience(config, queries, keys, scaling, coded_pos, code.seq_len)
     if config.implementation == "reference":
         packed = encode_reference(code, keys, values, cos, sin, salience, basis, rank, total, config)
         code.coefs = _store(packed, code.ranks, keys.dtype, config)
@@ -76,9 +77,9 @@ def compress_prompt(keys, values, queries, cos, sin, basis, config: VarRateConfi
         allocate = waterfill_ranks if config.allocation == "waterfill" else topk_ranks
         ranks = allocate(salience, total, config.r_min, rank)  # Eq. 5
         plan = rank_order(ranks)
-        coded = code.coded_pos[plan.order]  # coded positions, by decreasing rank
+        coded = coded_pos[plan.order]  # coded positions, by decreasing rank
     with record_function("varrate.joint"):
-        z_anchors = joint_rows(keys, values, cos, sin, code.anchor_pos)  # [A, D] fp32
+        z_anchors = joint_rows(keys, values, cos, sin, anchor_pos)  # [A, D] fp32
         z = joint_rows(keys, values, cos, sin, coded)  # [C, D] fp32
     with record_function("varrate.anchor_search"):
         neighbours = nearest_anchors_mm(z, z_anchors, config.n_anchors, config.distance_chunk)  # [C, c]
@@ -86,7 +87,7 @@ def compress_prompt(keys, values, queries, cos, sin, basis, config: VarRateConfi
         means = gather_means(z_anchors, neighbours)  # Eq. 2
         packed = encode_blocks(z.sub_(means), basis, plan)  # Eq. 6, truncated per token
         code.ranks = ranks.to(smallest_uint(rank))
-        code.neighbours = _unsort(neighbours, plan).to(smallest_uint(code.anchor_pos.numel() - 1))
+        code.neighbours = _unsort(neighbours, plan).to(smallest_uint(anchor_pos.numel() - 1))
         code.coefs = _store(packed, code.ranks, keys.dtype, config)
     if not reconstruct:
         return code, None, None
@@ -134,7 +135,7 @@ def _reconstruct(code, plan: RankOrder, coded, means, basis, keys, values, cos, 
     count, heads, dim = coded.numel(), keys.shape[1], keys.shape[-1]
     half = heads * dim
     k_hat = rotate_rows(z_hat[:, :half].view(count, heads, dim), cos[0, coded].float(), sin[0, coded].float())
-    keys[0].transpose(0, 1).index_copy_(0, coded, k_hat.to(keys.dtype))  # [S, H, d] view
+    keys[0].transpose(0, 1).index_copy_(0, coded, k_hat.to(keys.dtype))  # [S, H, d] view, rows by rank
     values[0].transpose(0, 1).index_copy_(0, coded, z_hat[:, half:].view(count, heads, dim).to(values.dtype))
 
 

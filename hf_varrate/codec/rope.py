@@ -33,8 +33,8 @@ def rotate_keys(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
 
 
 # Row-major variants for the fast path: tokens first ([n, H, d]), cos/sin [n, d] fp32, written with
-# the two halves spelled out. They round exactly like `unrotate_keys` / `rotate_keys` (a - (-b)*s
-# is a + b*s in IEEE arithmetic), without the concatenation `rotate_half` allocates.
+# the two halves spelled out, without the concatenation `rotate_half` allocates. `unrotate_rows`
+# rounds exactly like `unrotate_keys` (a - (-b)*s is a + b*s in IEEE arithmetic).
 
 def unrotate_rows(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None):
     """Post-RoPE keys [n, H, d] -> pre-RoPE [n, H, d] fp32 (into `out` if given, which may be a
@@ -56,17 +56,16 @@ def unrotate_rows(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out:
 
 
 def rotate_rows(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Pre-RoPE keys [n, H, d] fp32 -> post-RoPE [n, H, d] fp32; bit-identical to `rotate_keys`."""
+    """Pre-RoPE keys [n, H, d] fp32 -> post-RoPE, in place (`keys` may be a strided view); returns
+    `keys`. The same arithmetic as `rotate_keys` with fused multiply-adds, so equal to it up to
+    rounding (the fast path's encoder and decoder both use this one)."""
     half = keys.shape[-1] // 2
     cos, sin = cos[:, None], sin[:, None]  # [n, 1, d]
     k1, k2 = keys[..., :half], keys[..., half:]
-    out = torch.empty_like(keys)
-    first, second = out[..., :half], out[..., half:]
-    torch.mul(k1, cos[..., :half], out=first)
-    first -= k2 * sin[..., :half]
-    torch.mul(k2, cos[..., half:], out=second)
-    second += k1 * sin[..., half:]
-    return out
+    first = k1.clone()
+    k1.mul_(cos[..., :half]).addcmul_(k2, sin[..., :half], value=-1.0)
+    k2.mul_(cos[..., half:]).addcmul_(first, sin[..., half:])
+    return keys
 
 
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype):
