@@ -141,6 +141,20 @@ class VarRateCache(Cache):
             )
         return out
 
+    def set_storage(self, storage: str) -> VarRateCache:
+        """Switch every compressed layer to 'compact' or 'materialized' in place (same tokens either way):
+        e.g. keep many compressed documents compact at rest, materialize the one being answered for fast
+        decoding, and compact it again afterwards. Returns the cache."""
+        if storage == "compact" and self.rope is None:
+            raise ValueError("storage='compact' needs the model's rotary frequencies: build the cache with model=model")
+        self.config = self.config.replace(storage=storage)
+        for layer in self.layers:
+            if isinstance(layer, VarRateLayer):
+                layer.set_storage(storage)
+                layer.config = self.config
+        self.rope_memo.clear()
+        return self
+
     def footprint(self) -> Footprint:
         """Measured bytes per layer: codes and exact tokens for VarRate layers, tensors for the others."""
         layers = []

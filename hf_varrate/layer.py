@@ -237,6 +237,38 @@ class VarRateLayer(DynamicLayer):
         values[:, :, kept:] = self.values
         return keys, values
 
+    # switching storage -------------------------------------------------------------------------------
+    def exact_tokens(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row b's exact tokens [1, H, E, d] (held by its code in compact storage, in `keys` otherwise)."""
+        code = self.codes[b]
+        if code.exact_keys is not None:
+            return code.exact_keys, code.exact_values
+        if self.prompt_kept < self.prompt_len:
+            raise ValueError(f"layer {self.layer_idx} was cropped into its compressed prompt in materialized storage, "
+                             f"which dropped exact tokens its codes need")
+        slots = _slots(self._spans[b], self.keys.device)[code.exact_pos]
+        return self.keys[b : b + 1, :, slots], self.values[b : b + 1, :, slots]
+
+    def set_storage(self, storage: str) -> None:
+        """Switch this (prefilled) layer to 'compact' or 'materialized' in place; same tokens either way."""
+        if storage not in ("compact", "materialized"):
+            raise ValueError(f"storage must be 'compact' or 'materialized', got {storage!r}")
+        if storage == self.storage or not self.codes:  # nothing coded: a plain layer either way
+            return
+        if storage == "compact":
+            if self.rope is None or any(offset is None for offset in self._offsets):
+                raise ValueError(f"layer {self.layer_idx} cannot go compact: its RoPE positions are unknown (build "
+                                 f"the cache with model=model)")
+            for b, code in enumerate(self.codes):
+                code.exact_keys, code.exact_values = self.exact_tokens(b)  # advanced indexing: copies
+            self.keys, self.values = self._tail(self.appended, start=self.prompt_kept)
+            self.storage = "compact"
+            return
+        self.keys, self.values = self._read()
+        for code in self.codes:
+            code.exact_keys = code.exact_values = None
+        self.storage = "materialized"
+
     # accounting ------------------------------------------------------------------------------------
     def footprint(self) -> LayerFootprint:
         if not self.codes:  # never compressed: held exactly, like a DynamicLayer
@@ -280,8 +312,10 @@ class VarRateLayer(DynamicLayer):
         self.appended -= from_tail
         self.prompt_kept -= removed - from_tail
 
-    def _tail(self, count: int):
-        return self.keys[..., :count, :].clone(), self.values[..., :count, :].clone()
+    def _tail(self, count: int, start: int = 0):
+        """Copies of `count` token slots of keys / values from `start` (copies: views would pin the rest)."""
+        pick = slice(start, start + count)
+        return self.keys[..., pick, :].clone(), self.values[..., pick, :].clone()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._index_rows(beam_idx)

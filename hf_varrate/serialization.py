@@ -30,7 +30,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 from .architecture import describe
 from .bases import Bases, BasesError
 from .binding import bind
-from .codec import PromptCode, QuantizedCoefs, decode_prompt
+from .codec import PromptCode, QuantizedCoefs
 from .config import VarRateConfig
 from .layer import VarRateLayer
 
@@ -116,11 +116,7 @@ def _save_row(prefix: str, layer: VarRateLayer, b: int, tensors: dict) -> dict:
         raise CacheFileError(f"layer {layer.layer_idx} row {b}: its keys were rotated at positions the cache did not "
                              f"record (no rotary frequencies, or custom position ids), so it cannot be rebuilt; build "
                              f"the cache with model=model and let the model number the positions")
-    if code.exact_keys is not None:
-        exact_k, exact_v = code.exact_keys, code.exact_values
-    else:  # materialized: the exact tokens sit in the full-length tensors
-        slots = (torch.arange(*span, device=layer.keys.device) if isinstance(span, tuple) else span)[code.exact_pos]
-        exact_k, exact_v = layer.keys[b : b + 1, :, slots], layer.values[b : b + 1, :, slots]
+    exact_k, exact_v = layer.exact_tokens(b)
     tensors[f"{prefix}.exact_keys"], tensors[f"{prefix}.exact_values"] = exact_k, exact_v
     row = {"seq_len": code.seq_len, "stride": code.stride, "window": code.window, "width": code.width,
            "kv_bytes": code.kv_bytes, "stored_exactly": code.stored_exactly, "rope_offset": offset,
@@ -267,10 +263,11 @@ def _load_layer(cache, i: int, info: dict, tensors: dict, device) -> None:
         layer._spans.append(span)
         layer._offsets.append(int(row["rope_offset"]))
     layer.keys, layer.values = tail_k, tail_v
-    if layer.storage != "compact":
-        layer.keys, layer.values = _materialize(cache, layer, tail_k, tail_v)
-        for code in layer.codes:
-            code.exact_keys = code.exact_values = None
+    target, layer.storage = layer.storage, "compact"  # what was read is a compact layer
+    if target != "compact":
+        if cache.rope is None:
+            raise ValueError("rebuilding a materialized layer needs the model's rotary frequencies (none found)")
+        layer.set_storage(target)
 
 
 def _load_row(prefix: str, row: dict, tensors: dict, device) -> tuple[PromptCode, object]:
@@ -292,26 +289,6 @@ def _load_row(prefix: str, row: dict, tensors: dict, device) -> tuple[PromptCode
         raise ValueError(f"{prefix}: {exact_k.shape[-2]} exact tokens stored, {code.exact_pos.numel()} expected")
     span = tuple(row["span"]) if row["span"] is not None else get("slots")
     return code, span
-
-
-def _materialize(cache, layer: VarRateLayer, tail_k, tail_v):
-    """Full-length K/V of a materialized layer: every row's prompt decoded once, then its appended tokens."""
-    if cache.rope is None:
-        raise ValueError("rebuilding a materialized layer needs the model's rotary frequencies (none found); "
-                         "load with storage='compact' or pass rope=")
-    batch, heads, _, dim = tail_k.shape
-    keys = tail_k.new_zeros(batch, heads, layer.prompt_len, dim)
-    values = tail_v.new_zeros(batch, heads, layer.prompt_len, dim)
-    basis = cache.bases.for_layer(layer.layer_idx, tail_k.device)
-    for b, (code, span) in enumerate(zip(layer.codes, layer._spans)):
-        offset = layer._offsets[b]
-        cos, sin = cache.rope.tables(offset + code.seq_len, tail_k.dtype, tail_k.device)
-        cos, sin = cos[:, offset:], sin[:, offset:]
-        k_hat, v_hat = decode_prompt(code, code.exact_keys, code.exact_values, cos, sin, basis)
-        slots = torch.arange(*span, device=tail_k.device) if isinstance(span, tuple) else span
-        keys[b, :, slots], values[b, :, slots] = k_hat[0], v_hat[0]
-    keep = layer.prompt_kept
-    return torch.cat([keys[..., :keep, :], tail_k], dim=-2), torch.cat([values[..., :keep, :], tail_v], dim=-2)
 
 
 def _source_of(bases: Bases) -> str | None:

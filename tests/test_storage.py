@@ -124,6 +124,25 @@ def test_deepcopy_reuse_in_compact_storage(tiny_llama):
     assert base.get_seq_length() == 300 and base.layers[0].appended == 0
 
 
+def test_switching_storage_in_place_keeps_the_tokens(tiny_llama):
+    doc = prompt(tiny_llama, 300)
+    ids = torch.cat([doc, prompt(tiny_llama, 6, seed=1)], dim=1)
+    cache = make(tiny_llama, "materialized")
+    with torch.no_grad():
+        tiny_llama(doc, past_key_values=cache)
+    expected = greedy(tiny_llama, ids, copy.deepcopy(cache))
+    cache.set_storage("compact")
+    assert all(layer.compact for layer in cache.layers)
+    for layer in cache.layers:
+        assert layer.footprint().bytes == held_tensor_bytes(layer)
+    assert torch.equal(greedy(tiny_llama, ids, copy.deepcopy(cache)), expected)
+    cache.set_storage("materialized")
+    assert not any(layer.compact for layer in cache.layers) and cache.layers[0].keys.shape[-2] == 300
+    assert torch.equal(greedy(tiny_llama, ids, cache), expected)
+    with pytest.raises(ValueError, match="storage"):
+        cache.layers[0].set_storage("zipped")
+
+
 def test_compact_needs_the_rotary_frequencies(tiny_llama):
     with pytest.raises(ValueError, match="model=model"):
         VarRateCache(Bases.identity(tiny_llama.config), model_config=tiny_llama.config, storage="compact")
