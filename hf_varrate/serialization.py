@@ -80,8 +80,7 @@ def save_cache(cache, directory: str | os.PathLike) -> None:
         "config": cache.config.to_dict(),
         "model": {"model_id": shape.model_id, "num_layers": shape.num_layers, "num_kv_heads": shape.num_kv_heads,
                   "head_dim": shape.head_dim, "compressed_layers": list(shape.compressed_layers)},
-        "bases": {"source": getattr(cache, "bases_source", None) or _source_of(cache.bases),
-                  "sha256": bases_fingerprint(cache.bases)},
+        "bases": {"source": _bases_source(cache), "sha256": bases_fingerprint(cache.bases)},
         "rope_scaling": None if cache.rope is None else cache.rope.scaling,
         "layers": layers,
         "tensor_file": TENSORS_NAME,
@@ -289,6 +288,15 @@ def _load_row(prefix: str, row: dict, tensors: dict, device) -> tuple[PromptCode
         raise ValueError(f"{prefix}: {exact_k.shape[-2]} exact tokens stored, {code.exact_pos.numel()} expected")
     span = tuple(row["span"]) if row["span"] is not None else get("slots")
     return code, span
+
+
+def _bases_source(cache) -> str | None:
+    """Where the bases can be read again: the path or repo id they were loaded from (a local folder
+    made absolute, so the cache loads from any working directory), 'identity', or None."""
+    source = getattr(cache, "bases_source", None) or _source_of(cache.bases)
+    if source and source != "identity" and Path(source).is_dir():
+        source = str(Path(source).resolve())
+    return source
 
 
 def _source_of(bases: Bases) -> str | None:

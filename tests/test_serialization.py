@@ -13,6 +13,7 @@ from hf_varrate.serialization import CONFIG_NAME, TENSORS_NAME, CacheFileError
 
 from conftest import TINY_SHAPE
 from test_cache import prompt
+from test_cache import SMALL
 from test_storage import make
 
 
@@ -138,6 +139,21 @@ def test_another_model_or_other_bases_are_refused(tiny_llama, tiny_qwen3, tmp_pa
     tiny_qwen3.model.rotary_emb.inv_freq.mul_(0.5)  # same shapes, other RoPE
     with pytest.raises(CacheFileError, match="RoPE"):
         VarRateCache.load(tmp_path, model=tiny_qwen3)
+
+
+def test_bases_from_a_relative_folder_are_found_again_from_anywhere(tiny_llama, tmp_path, monkeypatch):
+    Bases.identity(tiny_llama.config).save_pretrained(tmp_path / "bases", card=False)
+    monkeypatch.chdir(tmp_path)
+    cache = VarRateCache.from_pretrained("bases", model=tiny_llama, **{**SMALL, "budget": 0.4})
+    with torch.no_grad():
+        tiny_llama(prompt(tiny_llama, 300), past_key_values=cache)
+    expected = answer(tiny_llama, copy.deepcopy(cache))
+    cache.save_pretrained(tmp_path / "doc")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    loaded = VarRateCache.load(tmp_path / "doc", model=tiny_llama)
+    assert torch.equal(answer(tiny_llama, loaded), expected)
 
 
 def test_loading_never_unpickles(tiny_llama, tmp_path, monkeypatch):
