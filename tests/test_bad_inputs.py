@@ -270,10 +270,17 @@ def test_generate_twice_with_a_non_extending_prompt_appends_it_like_dynamic_cach
     exactly as a DynamicCache would: deepcopy the compressed cache per question instead."""
     doc, q1, q2 = tokens(tiny_llama, 300), tokens(tiny_llama, 5, seed=1), tokens(tiny_llama, 5, seed=2)
     cache, dynamic = make_cache(tiny_llama, budget=0.4), DynamicCache()
-    for c in (cache, dynamic):
+    outcomes = []
+    for c in (dynamic, cache):
         greedy(tiny_llama, torch.cat([doc, q1], dim=1), c)
-        greedy(tiny_llama, torch.cat([doc, q2], dim=1), c)
-    assert cache.get_seq_length() == dynamic.get_seq_length() > 308 + 300  # the document is in there twice
+        try:
+            greedy(tiny_llama, torch.cat([doc, q2], dim=1), c)
+            outcomes.append(None)
+        except Exception as err:  # transformers < 5.24's generate refuses a prompt shorter than the cache
+            outcomes.append(type(err))
+    assert outcomes[0] == outcomes[1]  # whatever this transformers does with a DynamicCache, we do too
+    if outcomes[0] is None:
+        assert cache.get_seq_length() == dynamic.get_seq_length() > 308 + 300  # the document is in there twice
     assert cache.layers[0].codes[0].seq_len == 305  # still only the first prompt is compressed
 
 
