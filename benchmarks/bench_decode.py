@@ -1,0 +1,114 @@
+"""Decode speed at a long prompt: full K/V (DynamicCache) vs VarRate materialized vs VarRate compact.
+
+One plain prefill is captured; every cache is built from it by replaying the same prefill inputs
+(as the model would hand them over), then each decodes the same greedy continuation. Configurations
+are interleaved within every repeat, so they see the same machine load; medians over repeats.
+
+    python benchmarks/bench_decode.py                      # SmolLM2 fp32, 4K prompt, 16 new tokens
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+
+import torch
+from transformers import DynamicCache
+
+import common
+from hf_varrate import VarRateCache
+
+
+def decode(model, cache, first: torch.Tensor, new: int) -> tuple[list[float], list[int]]:
+    """Greedy decode `new` tokens; per-step seconds and the tokens."""
+    steps, tokens, token = [], [], first
+    with torch.no_grad():
+        for _ in range(new):
+            start = time.perf_counter()
+            logits = model(token, past_key_values=cache, logits_to_keep=1).logits
+            token = logits[:, -1:].argmax(-1)
+            steps.append(time.perf_counter() - start)
+            tokens.append(int(token))
+    return steps, tokens
+
+
+def build_caches(model, bases, captured, budget: float, configs: list[str]) -> dict:
+    caches = {}
+    for name in configs:
+        if name == "full":
+            cache = DynamicCache(config=model.config)
+        else:
+            storage, _, bits = name.partition("-")
+            cache = VarRateCache(bases, model=model, budget=budget, storage=storage,
+                                 coef_bits=int(bits.removesuffix("bit")) if bits else None)
+        common.replay_into(cache, captured)
+        caches[name] = cache
+    return caches
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--length", type=int, default=4096)
+    parser.add_argument("--new", type=int, default=16, help="tokens decoded per repeat")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--budget", type=float, default=0.2)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--configs", default="full,materialized,compact")
+    parser.add_argument("--out", default="decode")
+    args = parser.parse_args(argv)
+    common.set_threads(args.threads)
+    env = common.environment()
+    model, tokenizer = common.load(args.model, args.dtype)
+    bases, bases_name = common.bases_for(args.model, model)
+    ids = common.document_ids(tokenizer, args.length)
+    common.log(f"capturing a {args.length}-token prefill of {args.model} {args.dtype}")
+    captured, _ = common.capture_prefill(model, ids)
+    configs = args.configs.split(",")
+    caches = build_caches(model, bases, captured, args.budget, configs)
+    first = ids[:, -1:]
+    decode(model, copy.deepcopy(caches["full"]), first, 2)  # warm-up
+    steps = {name: [] for name in configs}
+    rates = {name: [] for name in configs}
+    tokens = {}
+    for repeat in range(args.repeats):
+        order = configs[repeat % len(configs):] + configs[: repeat % len(configs)]
+        for name in order:
+            cache = copy.deepcopy(caches[name])
+            per_step, tokens[name] = decode(model, cache, first, args.new)
+            steps[name] += per_step
+            rates[name].append(args.new / sum(per_step))
+            common.log(f"repeat {repeat} {name}: {rates[name][-1]:.2f} tok/s")
+    footprints = {name: _bytes(cache) for name, cache in caches.items()}
+    result = {"env": env, "args": vars(args), "bases": bases_name,
+              "tokens_per_second": {n: common.summary(r) for n, r in rates.items()},
+              "step_seconds": {n: common.summary(s) for n, s in steps.items()},
+              "same_tokens_as_materialized": {n: tokens[n] == tokens.get("materialized") for n in configs},
+              "bytes_at_rest": footprints}
+    base = result["tokens_per_second"]["full"]["median"]
+    rows = []
+    for name in configs:
+        rate = result["tokens_per_second"][name]
+        rows.append([name, rate["median"], rate["median"] / base, rate["spread"],
+                     footprints[name]["held"] / 2**20, footprints[name]["held"] / footprints["full"]["held"]])
+    md = (f"## Decode at {args.length} tokens, {args.model} {args.dtype}, budget {args.budget}, "
+          f"{args.threads} thread(s)\n\n"
+          + common.table(["cache", "tok/s (median)", "vs full", "spread (max-min)/median", "K/V held MiB",
+                          "held vs full"], rows)
+          + f"\n\n{args.repeats} repeats x {args.new} tokens, configurations interleaved; load average "
+          f"{env['load_average']}; bases: {bases_name}.\n")
+    common.write_results(args.out, result, md)
+
+
+def _bytes(cache) -> dict:
+    if isinstance(cache, VarRateCache):
+        fp = cache.footprint()
+        return {"held": fp.held_bytes, "footprint": fp.bytes, "full": fp.full_bytes}
+    held = sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers)
+    return {"held": held, "footprint": held, "full": held}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""Memory: bytes the cache holds at rest, and peak process memory during the prefill and the decode.
+
+Each configuration runs in a fresh subprocess (so one's peak never hides another's): load the model,
+then prefill a long document, then decode a few tokens, sampling the process's resident set size
+(psutil, every 2 ms) through each phase. Reported relative to the RSS after loading the model, next
+to the bytes of the cache's own tensors (`footprint().held_bytes`).
+
+    python benchmarks/bench_memory.py                 # SmolLM2 fp32, 4K tokens: full, materialized, compact
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import common
+
+MiB = 2**20
+
+
+class PeakSampler:
+    """Highest RSS seen between start() and stop(), sampled by a thread."""
+
+    def __init__(self, interval: float = 0.002):
+        import psutil
+
+        self.process, self.interval = psutil.Process(), interval
+        self.peak, self._stop, self._thread = 0, threading.Event(), None
+
+    def rss(self) -> int:
+        return self.process.memory_info().rss
+
+    def start(self):
+        self.peak, self._stop = self.rss(), threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.rss())
+            time.sleep(self.interval)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak, self.rss())
+
+
+def settle() -> None:
+    """Give freed memory back to the OS before reading a resting RSS (glibc keeps it otherwise)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
+def child(config: str, args) -> dict:
+    import torch
+    from transformers import DynamicCache
+
+    from hf_varrate import VarRateCache, bind
+
+    common.set_threads(args.threads)
+    model, tokenizer = common.load(args.model, args.dtype)
+    bases, _ = common.bases_for(args.model, model)
+    bind(model)
+    ids = common.document_ids(tokenizer, args.length)
+    with torch.no_grad():
+        model(ids[:, :64], logits_to_keep=1)  # first-call allocations are not the cache's
+    sampler = PeakSampler()
+    settle()
+    base = sampler.rss()
+    if config == "full":
+        cache = DynamicCache(config=model.config)
+    else:
+        storage, _, bits = config.partition("-")
+        cache = VarRateCache(bases, model=model, budget=args.budget, storage=storage,
+                             coef_bits=int(bits.removesuffix("bit")) if bits else None)
+    sampler.start()
+    with torch.no_grad():
+        logits = model(ids, past_key_values=cache, logits_to_keep=1).logits
+    prefill_peak = sampler.stop()
+    settle()
+    after_prefill = sampler.rss()
+    token = logits[:, -1:].argmax(-1)
+    sampler.start()
+    with torch.no_grad():
+        for _ in range(args.new):
+            token = model(token, past_key_values=cache, logits_to_keep=1).logits[:, -1:].argmax(-1)
+    decode_peak = sampler.stop()
+    settle()
+    after_decode = sampler.rss()
+    if isinstance(cache, VarRateCache):
+        held = cache.footprint().held_bytes
+    else:
+        held = sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers)
+    import resource
+
+    return {"config": config, "baseline_rss": base, "prefill_peak": prefill_peak - base,
+            "at_rest_after_prefill": after_prefill - base, "decode_peak": decode_peak - base,
+            "at_rest_after_decode": after_decode - base, "cache_held_bytes": held,
+            "ru_maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--length", type=int, default=4096)
+    parser.add_argument("--new", type=int, default=8)
+    parser.add_argument("--budget", type=float, default=0.2)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--configs", default="full,materialized,compact,compact-4bit")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default="memory")
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args.child, args)))
+        return
+    env = common.environment()
+    rows, results = [], []
+    passthrough = [f"--{k}={getattr(args, k)}" for k in ("model", "dtype", "length", "new", "budget", "threads")]
+    for config in args.configs.split(","):
+        common.log(f"memory: {config}")
+        out = subprocess.run([sys.executable, __file__, "--child", config, *passthrough], capture_output=True,
+                             text=True, check=True)
+        results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    full = next((r["cache_held_bytes"] for r in results if r["config"] == "full"), None)
+    for r in results:
+        rows.append([r["config"], r["cache_held_bytes"] / MiB,
+                     f"{r['cache_held_bytes'] / full:.3f}" if full else "-", r["at_rest_after_prefill"] / MiB,
+                     r["prefill_peak"] / MiB, r["decode_peak"] / MiB, r["at_rest_after_decode"] / MiB])
+    md = (f"## Memory at {args.length} tokens, {args.model} {args.dtype}, budget {args.budget}\n\n"
+          + common.table(["cache", "cache tensors MiB", "vs full", "RSS at rest after prefill MiB",
+                          "peak during prefill MiB", "peak during decode MiB", "RSS at rest after decode MiB"], rows)
+          + "\n\nRSS figures are process resident memory above the RSS after loading the model (fresh process per "
+          f"row, sampled every 2 ms, malloc_trim before each resting reading); decode = {args.new} tokens. "
+          f"Load average at start {tuple(round(x, 1) for x in env['load_average'])}.\n"
+          f"Command: python benchmarks/bench_memory.py {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip()
+          + "\n")
+    common.write_results(args.out, {"env": env, "args": vars(args), "results": results}, md)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Every benchmark with its default plan, one after the other (about 30 min on 2 busy CPU cores),
+# then the summary table. Results: benchmarks/results/*.json and *.md, SUMMARY.md.
+#   bash benchmarks/run_all.sh            (from the repository root, with .venv active)
+set -euo pipefail
+cd "$(dirname "$0")"
+start=$(date +%s)
+python bench_prefill.py
+python bench_decode.py
+python bench_memory.py
+python bench_load.py
+python bench_footprint.py
+python summarize.py
+echo "all benchmarks: $(( $(date +%s) - start )) s"

@@ -1,0 +1,67 @@
+"""One table of the headline numbers from benchmarks/results/*.json -> benchmarks/results/SUMMARY.md."""
+
+from __future__ import annotations
+
+import json
+
+from common import RESULTS, table
+
+
+def load(name: str):
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def prefill_rows(data) -> list[list]:
+    rows = []
+    for r in data["results"]:
+        inrun = r["overhead_in_run"]
+        rows.append([f"prefill overhead, {r['model']} {r['dtype']} {r['length']}",
+                     f"{100 * inrun['median']:.1f}% in run (n={inrun['n']}), {100 * r['overhead_accounted']:.1f}% "
+                     f"accounted; codec FLOPs {100 * r['flops_share']:.2f}% of the prefill's"
+                     if inrun["n"] else f"{100 * r['overhead_accounted']:.1f}% accounted; codec FLOPs "
+                     f"{100 * r['flops_share']:.2f}% of the prefill's"])
+    for key, value in data.get("exponents", {}).items():
+        rows.append([f"codec time ~ length^k, {key}", f"k = {value:.2f}"])
+    return rows
+
+
+def main():
+    rows = []
+    prefill = load("prefill")
+    if prefill:
+        rows += prefill_rows(prefill)
+    decode = load("decode")
+    if decode:
+        rates = decode["tokens_per_second"]
+        full = rates["full"]["median"]
+        text = ", ".join(f"{name} {r['median']:.2f} ({r['median'] / full:.2f}x)" for name, r in rates.items())
+        rows.append([f"decode tok/s at {decode['args']['length']} (vs full)", text])
+    memory = load("memory")
+    if memory:
+        for r in memory["results"]:
+            rows.append([f"memory, {r['config']}", f"cache tensors {r['cache_held_bytes'] / 2**20:.1f} MiB; RSS at rest "
+                         f"+{r['at_rest_after_prefill'] / 2**20:.0f} MiB; peak prefill +{r['prefill_peak'] / 2**20:.0f} "
+                         f"MiB; peak decode +{r['decode_peak'] / 2**20:.0f} MiB"])
+    loading = load("load")
+    if loading:
+        s = loading["seconds"]
+        rows.append(["load saved cache + first answer token vs re-prefill",
+                     f"{s['load_compact']['median']:.2f} s (compact), {s['load_materialized']['median']:.2f} s "
+                     f"(materialized) vs {s['reprefill']['median']:.1f} s: "
+                     + ", ".join(f"{k.removeprefix('load_')} {v:.0f}x" for k, v in loading["speedup_vs_reprefill"].items())])
+    footprint = load("footprint")
+    if footprint:
+        for r in footprint["results"]:
+            name = "model dtype" if r["bits"] is None else f"{r['bits']}-bit {r['mode']}"
+            rows.append([f"footprint, {r['kv_dtype'].removeprefix('torch.')} K/V, {name}",
+                         f"{100 * r['fraction']:.2f}% (mean rank {r['mean_rank']:.0f}, key err {r['key_error']:.3f}, "
+                         f"value err {r['value_error']:.3f})"])
+    md = "# Benchmark summary\n\n" + table(["what", "measured"], rows) + (
+        "\n\nDetails, noise and commands: prefill.md, decode.md, memory.md, load.md, footprint.md beside this file.\n")
+    (RESULTS / "SUMMARY.md").write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
