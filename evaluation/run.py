@@ -18,6 +18,7 @@ import argparse
 import json
 import logging
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -125,6 +126,7 @@ def main(argv=None) -> int:
     out = Path(args.out) if args.out else config.output_dir
     out.mkdir(parents=True, exist_ok=True)
     if not args.report_only:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `kill` still records the session below
         started, status = time.time(), "interrupted"
         try:
             Runner(config, out, on_progress=lambda: write_report(config, out, args.config)).run(args.max_examples)
