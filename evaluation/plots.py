@@ -64,8 +64,17 @@ def accuracy_vs_budget(table: list[dict], out: Path) -> list[Path]:
     return paths
 
 
+def colors(names) -> dict:
+    """One fixed colour per method name, the same in every panel."""
+    import matplotlib
+
+    cmap = matplotlib.colormaps["tab20"]
+    return {name: cmap(i % 20) for i, name in enumerate(sorted(set(names)))}
+
+
 def accuracy_vs_cost(table: list[dict], out: Path) -> list[Path]:
     plt, paths = _plt(), []
+    color = colors(r["method"] for r in table)
     by_model = defaultdict(list)
     for r in table:
         if r["regime"] == "query_agnostic" and r["metric"] == "score":
@@ -74,10 +83,10 @@ def accuracy_vs_cost(table: list[dict], out: Path) -> list[Path]:
         keys = sorted({(r["task"], r["length"]) for r in rs})
         fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4.2), squeeze=False)
         for ax, (task, length) in zip(axes[0], keys):
-            for r in rs:
+            for r in sorted(rs, key=lambda r: r["method"]):
                 if (r["task"], r["length"]) == (task, length):
                     ax.errorbar(r["cost"], r["value"], yerr=[[r["value"] - r["ci_low"]], [r["ci_high"] - r["value"]]],
-                                marker="o", capsize=3, ls="none", label=r["method"])
+                                marker="o", capsize=3, ls="none", label=r["method"], color=color[r["method"]])
             ax.set_xscale("log")
             ax.set(title=f"{task} · {length}", xlabel="compression cost (x plain prefill, median)", ylabel="score (%)")
             ax.legend(fontsize=6)
