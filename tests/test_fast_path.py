@@ -60,7 +60,10 @@ def test_rank_blocked_encode_decode_equal_full_rank_masked(case):
     plan = rank_order(ranks)
     packed = encode_blocks(resid[plan.order].contiguous(), basis, plan)
     reference = pack(encode(resid, basis), ranks, torch.float32)
-    assert packed.shape == reference.shape and torch.equal(packed, reference)
+    assert packed.shape == reference.shape
+    # fp32 round-off only: BLAS may pick another kernel for a [1, 17] block than for [1, 80] (seen on
+    # one thread after other tests changed the thread count), so bit equality is not guaranteed.
+    torch.testing.assert_close(packed, reference, rtol=1e-6, atol=1e-6)
     z_hat = decode_blocks(means[plan.order].clone(), packed, basis, plan)
     expected = decode(means, unpack(reference, ranks, max(int(ranks.max()) if count else 1, 1)), basis)
     torch.testing.assert_close(z_hat, expected[plan.order], rtol=0, atol=1e-5)
