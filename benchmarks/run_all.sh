@@ -10,5 +10,6 @@ python bench_decode.py
 python bench_memory.py
 python bench_load.py
 python bench_footprint.py
+python bench_versions.py        # before / after against the first codec (5 min)
 python summarize.py
 echo "all benchmarks: $(( $(date +%s) - start )) s"

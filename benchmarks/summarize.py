@@ -31,6 +31,13 @@ def main():
     prefill = load("prefill")
     if prefill:
         rows += prefill_rows(prefill)
+    versions = load("versions")
+    if versions:
+        for name in ("before", "after"):
+            items = versions["runs"][name]
+            text = ", ".join(f"{100 * r['overhead']:.1f}%" for r in items)
+            rows.append([f"prefill overhead {name} ({versions['args']['before'] if name == 'before' else 'now'}), "
+                         f"{versions['args']['model']} fp32 {versions['args']['length']}", text])
     decode = load("decode")
     if decode:
         rates = decode["tokens_per_second"]
