@@ -54,6 +54,18 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.slow)
 
 
+@pytest.fixture
+def one_intra_op_thread():
+    """Tiny models' ops take microseconds: on a shared 2-core machine a second OpenMP thread only
+    spins (about 10x slower). Restored afterwards. Used by the robustness files via pytestmark."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _build_tiny(config: PretrainedConfig) -> PreTrainedModel:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)

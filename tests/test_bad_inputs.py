@@ -28,15 +28,7 @@ from conftest import TINY_SHAPE
 SMALL = dict(stride=8, window=16, obs_window=16, r_min=2)  # lets short prompts compress on D = 64
 
 
-@pytest.fixture(autouse=True)
-def one_intra_op_thread():
-    """Tiny tensors: on a shared 2-core machine a second OpenMP thread only spins. Restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def make_cache(model, **overrides):

@@ -28,15 +28,7 @@ HEADS, DIM = 2, 8  # D = 2 * H * d = 32: small enough for many examples per seco
 WIDTH = 2 * HEADS * DIM
 
 
-@pytest.fixture(autouse=True)
-def one_intra_op_thread():
-    """Tiny tensors: on a shared 2-core machine a second OpenMP thread only spins. Restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 # --- strategies ---------------------------------------------------------------------------------------

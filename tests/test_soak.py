@@ -31,16 +31,7 @@ WARMUP = 20  # cycles before memory is measured: allocator pools and lazy tables
 RSS_NOISE = 48 << 20  # RSS growth tolerated after the warm-up (glibc arenas, torch caches), plus two copies
 
 
-@pytest.fixture(autouse=True)
-def one_intra_op_thread():
-    """The tiny model's ops take microseconds: on a shared 2-core machine a second OpenMP thread only
-    spins (10x slower here). Restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 # --- measuring ----------------------------------------------------------------------------------------
