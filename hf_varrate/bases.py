@@ -2,7 +2,9 @@
 
 Artifact (a local directory or a Hub repo), three plain files:
 
-- `bases.safetensors`: tensor `layers.<i>` [R, D] per compressed layer (fp16, bf16 or fp32);
+- `bases.safetensors`: tensor `layers.<i>` [R, D] per compressed layer (fp16, bf16 or fp32) and,
+  optionally for all of those layers or none, `spectrum.<i>` [R] (fp32): the calibration's singular
+  values, descending, one per basis row (older artifacts have none);
 - `config.json`: sorted keys, see `Bases.metadata`, plus `sha256` of the tensor file, checked on load;
 - `README.md`: a model card rendered from `hf_varrate/hub_assets/model_card.md`.
 
@@ -21,21 +23,25 @@ from pathlib import Path
 import torch
 
 from .architecture import ModelShape, describe
+from .bases_checks import (  # noqa: F401 (re-exported: the artifact's names and checks live there)
+    BUILD_HINT,
+    CONFIG_NAME,
+    FLOAT_DTYPES,
+    INT_FIELDS,
+    WEIGHTS_NAME,
+    BasesError,
+    build_hint,
+    check_basis,
+    check_metadata,
+    check_spectrum,
+    check_tensors,
+)
 
-WEIGHTS_NAME = "bases.safetensors"
-CONFIG_NAME = "config.json"
 CARD_NAME = "README.md"
 ARTIFACT_FILES = (WEIGHTS_NAME, CONFIG_NAME, CARD_NAME)
-FORMAT_VERSION = 1
-BUILD_HINT = "python -m hf_varrate.calibration --model <your model> --out <dir>"
+FORMAT_VERSION = 1  # spectrum.<i> is optional, so artifacts with and without it share version 1
 MAX_CONFIG_BYTES = 1 << 20  # a config.json is a few KB; anything larger is not ours
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 SHAPE_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "width", "compressed_layers")
-INT_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "width", "rank")
-
-
-class BasesError(ValueError):
-    """A bases artifact is missing, corrupt, or does not fit the model it meets."""
 
 
 class Bases:
@@ -44,11 +50,15 @@ class Bases:
     Shared by every cache built from it (a deepcopy of a cache never copies its bases).
     `metadata` holds the model's shape (num_layers, num_kv_heads, head_dim, width,
     compressed_layers), rank, model_id, and the calibration settings (stride, window, n_anchors...).
+    `spectra` (possibly empty) holds each layer's calibration singular values, fp32 [R], descending.
     """
 
-    def __init__(self, tensors: dict[int, torch.Tensor], metadata: dict):
+    def __init__(self, tensors: dict[int, torch.Tensor], metadata: dict,
+                 spectra: dict[int, torch.Tensor] | None = None):
         self.tensors = {int(i): t for i, t in tensors.items()}
         self.metadata = dict(metadata)
+        # fp32 on the CPU from the start, so what is in memory is what a save and a load give back
+        self.spectra = {int(i): s.detach().to("cpu", torch.float32).contiguous() for i, s in (spectra or {}).items()}
         self._resident: dict[tuple[int, str], torch.Tensor] = {}
 
     # construction -----------------------------------------------------------------------------------
@@ -60,8 +70,10 @@ class Bases:
         return cls.from_tensors({i: eye for i in shape.compressed_layers}, model_config, calibration="identity")
 
     @classmethod
-    def from_tensors(cls, tensors: dict[int, torch.Tensor], model_config=None, **metadata) -> Bases:
-        """Wrap per-layer tensors [R, D]; `model_config` fills in the model's shape fields."""
+    def from_tensors(cls, tensors: dict[int, torch.Tensor], model_config=None,
+                     spectra: dict[int, torch.Tensor] | None = None, **metadata) -> Bases:
+        """Wrap per-layer tensors [R, D] and, optionally, their singular values [R] (`spectra`, for
+        every layer or none); `model_config` fills in the model's shape fields."""
         meta = dict(metadata)
         if model_config is not None:
             meta = {**shape_metadata(describe(model_config)), **meta}
@@ -69,7 +81,7 @@ class Bases:
         meta.setdefault("rank", int(some.shape[0]))
         meta.setdefault("width", int(some.shape[1]))
         meta.setdefault("compressed_layers", sorted(int(i) for i in tensors))
-        return cls(tensors, meta)
+        return cls(tensors, meta, spectra)
 
     # access -----------------------------------------------------------------------------------------
     @property
@@ -85,6 +97,18 @@ class Bases:
                 raise BasesError(f"bases have no tensor for layer {layer_idx}; they cover {sorted(self.tensors)}")
             self._resident[key] = self.tensors[layer_idx].to(device=device, dtype=torch.float32).contiguous()
         return self._resident[key]
+
+    def spectrum(self, layer_idx: int, device=None) -> torch.Tensor | None:
+        """fp32 [R] calibration singular values of layer `layer_idx` (descending, row i of the basis has
+        the i-th), or None when these bases carry no spectrum (identity bases, older artifacts)."""
+        if layer_idx not in self.tensors:
+            raise BasesError(f"bases have no tensor for layer {layer_idx}; they cover {sorted(self.tensors)}")
+        if not self.spectra:
+            return None
+        if layer_idx not in self.spectra:  # only unchecked bases built in memory can get here
+            raise BasesError(f"bases carry a spectrum for layers {sorted(self.spectra)} but not for layer "
+                             f"{layer_idx}; pass spectra for every layer or none")
+        return self.spectra[layer_idx].to(device or "cpu")
 
     def __deepcopy__(self, memo):
         return self  # immutable, per-model: shared by every copy of every cache
@@ -125,16 +149,15 @@ class Bases:
         return notes
 
     def check(self) -> None:
-        """Raise `BasesError` unless every tensor is a finite float [rank, width] with orthonormal rows
-        and the tensors cover exactly `compressed_layers`."""
+        """Raise `BasesError` unless every tensor is a finite float [rank, width] with orthonormal rows,
+        the tensors cover exactly `compressed_layers`, and spectra (if any) are valid for all of them."""
         meta = check_metadata(self.metadata)
         expected = set(meta["compressed_layers"])
         if set(self.tensors) != expected:
             missing, extra = sorted(expected - set(self.tensors)), sorted(set(self.tensors) - expected)
             raise BasesError(f"bases tensors do not match compressed_layers {sorted(expected)}: missing layers "
                              f"{missing}, unexpected layers {extra}; rebuild them with: {build_hint(meta)}")
-        for i, tensor in sorted(self.tensors.items()):
-            check_basis(f"layers.{i}", tensor, meta["rank"], meta["width"])
+        check_tensors(self._named_tensors(), meta)  # each basis; spectra for all layers or none
 
     # files ------------------------------------------------------------------------------------------
     def save_pretrained(self, save_directory: str | os.PathLike, dtype: torch.dtype = torch.float16,
@@ -145,8 +168,7 @@ class Bases:
         self.check()
         out = Path(save_directory)
         out.mkdir(parents=True, exist_ok=True)
-        tensors = {f"layers.{i}": t.detach().to("cpu", dtype, copy=True).contiguous()
-                   for i, t in sorted(self.tensors.items())}  # copies: identity layers share one tensor
+        tensors = self._named_tensors(dtype)
         blob = save(tensors, metadata={"format": "pt", "library": "hf_varrate"})
         check_tensors(tensors, self.metadata)  # what fp16 rounding left must still be a valid basis
         from . import __version__
@@ -158,8 +180,15 @@ class Bases:
         if card:
             from .hub import render_card
 
-            _write_atomic(out / CARD_NAME, render_card(meta).encode())
+            _write_atomic(out / CARD_NAME, render_card(meta, spectrum=bool(self.spectra)).encode())
         return out
+
+    def _named_tensors(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """The tensor file's contents: `layers.<i>` in `dtype` (default: as held), `spectrum.<i>` in fp32."""
+        tensors = {f"layers.{i}": t.detach().to("cpu", dtype or t.dtype, copy=True).contiguous()
+                   for i, t in sorted(self.tensors.items())}  # copies: identity layers share one tensor
+        tensors.update({f"spectrum.{i}": s.clone() for i, s in sorted(self.spectra.items())})
+        return tensors
 
     def push_to_hub(self, repo_id: str, *, private: bool | None = None, revision: str | None = None,
                     token: str | None = None, commit_message: str | None = None):
@@ -216,59 +245,11 @@ def read_artifact(folder: str | os.PathLike) -> Bases:
         raise BasesError(f"could not parse {weights}: {type(exc).__name__}: {exc}; rebuild it with: "
                          f"{build_hint(metadata)}") from exc
     check_tensors(raw, metadata)
-    return Bases({int(name.split(".")[1]): t for name, t in raw.items()}, metadata)
-
-
-def check_metadata(meta) -> dict:
-    """Types and consistency of the shape fields of a config.json (already parsed)."""
-    if not isinstance(meta, dict):
-        raise BasesError(f"{CONFIG_NAME} must hold a JSON object, got {type(meta).__name__}; rebuild with: {BUILD_HINT}")
-    for name in INT_FIELDS:
-        value = meta.get(name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise BasesError(f"{CONFIG_NAME} field {name} must be a positive integer, got {value!r}; "
-                             f"rebuild with: {build_hint(meta)}")
-    layers = meta.get("compressed_layers")
-    if (not isinstance(layers, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers)
-            or layers != sorted(set(layers)) or not all(0 <= i < meta["num_layers"] for i in layers)):
-        raise BasesError(f"{CONFIG_NAME} field compressed_layers must be sorted distinct layer indices in "
-                         f"[0, {meta['num_layers']}), got {layers!r}; rebuild with: {build_hint(meta)}")
-    if meta["width"] != 2 * meta["num_kv_heads"] * meta["head_dim"]:
-        raise BasesError(f"{CONFIG_NAME} field width is {meta['width']} but 2 * num_kv_heads * head_dim is "
-                         f"{2 * meta['num_kv_heads'] * meta['head_dim']}; rebuild with: {build_hint(meta)}")
-    if meta["rank"] > meta["width"]:
-        raise BasesError(f"{CONFIG_NAME} field rank is {meta['rank']}, above width {meta['width']}; "
-                         f"rebuild with: {build_hint(meta)}")
-    return meta
-
-
-def check_tensors(raw: dict[str, torch.Tensor], meta: dict) -> None:
-    """The tensor file holds exactly `layers.<i>` for each compressed layer, each a valid basis."""
-    expected = {f"layers.{i}" for i in meta["compressed_layers"]}
-    missing, extra = sorted(expected - set(raw)), sorted(set(raw) - expected)
-    if missing or extra:
-        raise BasesError(f"{WEIGHTS_NAME} must hold one tensor per compressed layer: missing {missing}, "
-                         f"unexpected {extra}; rebuild it with: {build_hint(meta)}")
-    for name in sorted(raw):
-        check_basis(name, raw[name], meta["rank"], meta["width"])
-
-
-def check_basis(name: str, tensor: torch.Tensor, rank: int, width: int) -> None:
-    """A float [rank, width] tensor, finite, with orthonormal rows (tolerance set by its dtype)."""
-    if tensor.dtype not in FLOAT_DTYPES:
-        raise BasesError(f"basis {name} has dtype {tensor.dtype}, expected one of "
-                         f"{[str(d) for d in FLOAT_DTYPES]}; rebuild it with: {BUILD_HINT}")
-    if tuple(tensor.shape) != (rank, width):
-        raise BasesError(f"basis {name} has shape {tuple(tensor.shape)}, expected [rank, width] = "
-                         f"[{rank}, {width}]; rebuild it with: {BUILD_HINT}")
-    if not bool(torch.isfinite(tensor).all()):
-        raise BasesError(f"basis {name} contains NaN or inf; rebuild it with: {BUILD_HINT}")
-    v = tensor.float()  # fp32 Gram: its own rounding (~1e-6 at D = 4096) is far below either tolerance
-    gram_error = float((v @ v.T - torch.eye(rank)).abs().max())
-    tolerance = 1e-2 if tensor.element_size() <= 2 else 1e-4
-    if gram_error > tolerance:
-        raise BasesError(f"basis {name} does not have orthonormal rows: max |V V^T - I| is {gram_error:.3g}, "
-                         f"above {tolerance:g} for {tensor.dtype}; rebuild it with: {BUILD_HINT}")
+    tensors, spectra = {}, {}
+    for name, tensor in raw.items():
+        kind, index = name.split(".")
+        (tensors if kind == "layers" else spectra)[int(index)] = tensor
+    return Bases(tensors, metadata, spectra)
 
 
 def shape_metadata(shape: ModelShape) -> dict:
@@ -280,12 +261,6 @@ def shape_metadata(shape: ModelShape) -> dict:
         "width": shape.width,
         "compressed_layers": list(shape.compressed_layers),
     }
-
-
-def build_hint(model_or_meta=None) -> str:
-    """The command that builds bases, naming the model when it is known."""
-    model = model_or_meta.get("model_id") if isinstance(model_or_meta, dict) else model_or_meta
-    return BUILD_HINT.replace("<your model>", str(model)) if isinstance(model, str) and model else BUILD_HINT
 
 
 def looks_local(path: str) -> bool:

@@ -75,7 +75,8 @@ def push_folder(folder: str | os.PathLike, repo_id: str, *, private: bool | None
     with tempfile.TemporaryDirectory(prefix="hf_varrate-push-") as staging:
         for name in (WEIGHTS_NAME, CONFIG_NAME):
             shutil.copyfile(Path(folder) / name, Path(staging) / name)
-        (Path(staging) / CARD_NAME).write_text(render_card(bases.metadata, bases_ref=repo_id))
+        (Path(staging) / CARD_NAME).write_text(render_card(bases.metadata, bases_ref=repo_id,
+                                                           spectrum=bool(bases.spectra)))
         return api.upload_folder(
             repo_id=repo_id, folder_path=staging, repo_type="model", revision=revision,
             commit_message=commit_message or f"Upload VarRate bases for {bases.metadata.get('model_id')}",
@@ -83,8 +84,9 @@ def push_folder(folder: str | os.PathLike, repo_id: str, *, private: bool | None
         )
 
 
-def render_card(metadata: dict, bases_ref: str | None = None) -> str:
-    """The README.md model card of a bases artifact, from the template shipped as package data."""
+def render_card(metadata: dict, bases_ref: str | None = None, spectrum: bool = False) -> str:
+    """The README.md model card of a bases artifact, from the template shipped as package data;
+    `spectrum`: whether the tensor file also holds the calibration singular values."""
     from huggingface_hub import ModelCardData
 
     model_id = metadata.get("model_id")
@@ -96,14 +98,14 @@ def render_card(metadata: dict, bases_ref: str | None = None) -> str:
         card_data=card_data.to_yaml(),
         model_name=model_id or "<model>",
         bases_ref=bases_ref or metadata.get("bases_ref") or "path/or/repo-id/of/these/bases",
-        shape_table=_shape_table(metadata),
+        shape_table=_shape_table(metadata, spectrum),
         calibration_section=_calibration_section(metadata),
         quality_section=_quality_section(metadata),
         build_command=metadata.get("build_command") or BUILD_HINT,
     )
 
 
-def _shape_table(meta: dict) -> str:
+def _shape_table(meta: dict, spectrum: bool = False) -> str:
     sha = (meta.get("sha256") or {}).get(WEIGHTS_NAME, "(written on save)")
     rows = [
         ("model", f"`{meta.get('model_id')}`" + (f" ({meta['model_revision']})" if meta.get("model_revision") else "")),
@@ -113,7 +115,9 @@ def _shape_table(meta: dict) -> str:
         ("basis rank R", meta.get("rank")),
         ("anchor stride, exact window, nearest anchors", f"{meta.get('stride')}, {meta.get('window')}, "
                                                          f"{meta.get('n_anchors')}"),
-        ("dtype", meta.get("dtype")),
+        (f"tensors in {WEIGHTS_NAME}", f"`layers.<i>` [R, D] {meta.get('dtype')} (the basis V of layer i)"
+                                        + ("; `spectrum.<i>` [R] float32 (its calibration singular values, "
+                                           "descending, one per row of V)" if spectrum else "")),
         (f"sha256 of {WEIGHTS_NAME}", f"`{sha}`"),
         ("hf_varrate version", meta.get("library_version")),
     ]
