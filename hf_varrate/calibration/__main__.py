@@ -112,7 +112,7 @@ def measure(model, tokenizer, bases: Bases, args) -> dict | None:
     result = {"budget": args.eval_budget, "data": held_out.name, "num_contexts": len(contexts),
               "context_length": length}
     dtype = DTYPES[args.dtype]  # measure what is shipped: the bases after rounding to the saved dtype
-    shipped = Bases({i: t.to(dtype).float() for i, t in bases.tensors.items()}, bases.metadata)
+    shipped = Bases({i: t.to(dtype).float() for i, t in bases.tensors.items()}, bases.metadata, bases.spectra)
     for name, basis in (("calibrated", shipped), ("identity", Bases.identity(model.config))):
         basis.metadata.update({k: bases.metadata[k] for k in ("stride", "window", "n_anchors")})
         error = reconstruction_error(model, basis, contexts, budget=args.eval_budget, progress=not args.quiet)

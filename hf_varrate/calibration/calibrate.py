@@ -1,7 +1,8 @@
 """`calibrate(model, contexts)`: training-free bases (paper Section 3.1, "Shared basis").
 
 Per compressed layer: stream the residuals of every context into an fp64 D x D second moment,
-then keep its top-R eigenvectors. R defaults to min(1024, D) (Section 4.1). Deterministic: the
+then keep its top-R eigenvectors, and their singular values (the square roots of the eigenvalues) as
+the layer's spectrum. R defaults to min(1024, D) (Section 4.1). Deterministic: the
 same model, contexts and settings give the same bases bit for bit on the same machine.
 """
 
@@ -41,7 +42,7 @@ def calibrate(model, contexts: list[torch.Tensor], *, rank: int | None = None, c
     moments = SecondMoments(shape.width, shape.compressed_layers)
     start = time.perf_counter()
     run_contexts(model, contexts, shape.compressed_layers, moments.add, settings, progress)
-    bases, _ = moments.components(rank)
+    bases, singular = moments.components(rank)
     seconds = time.perf_counter() - start
     samples = min(moments.counts.values())
     if samples < rank:
@@ -53,7 +54,7 @@ def calibrate(model, contexts: list[torch.Tensor], *, rank: int | None = None, c
         "calibration_machine": machine_description(next(model.parameters()).device),
         "stride": config.stride, "window": config.window, "n_anchors": config.n_anchors, **metadata,
     }
-    return Bases.from_tensors(bases, model.config, **meta)
+    return Bases.from_tensors(bases, model.config, spectra=singular, **meta)
 
 
 def machine_description(device: torch.device) -> str:
