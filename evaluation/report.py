@@ -43,6 +43,7 @@ def summarize(rows: list[dict], samples: int = 20_000) -> list[dict]:
                 "fraction": float(np.mean([r["fraction"] for r in rs])),
                 "fraction_full_attention": float(np.mean([r["fraction_full_attention"] for r in rs])),
                 "bytes": float(np.mean([r["bytes"] for r in rs])),
+                "fraction_fp16": _mean_or_none([r.get("fraction_fp16") for r in rs]),
                 "cost": median(r["cost"] for r in rs),
                 "prompt_tokens": float(np.mean([r["prompt_tokens"] for r in rs])),
             })
@@ -133,6 +134,12 @@ def markdown_progress(progress_rows: list[dict]) -> str:
 
 
 def _fraction(r: dict) -> str:
+    fp16 = f" ({100 * r['fraction_fp16']:.2f}% in fp16)" if r.get("fraction_fp16") is not None else ""
     if abs(r["fraction"] - r["fraction_full_attention"]) < 1e-6:
-        return f"{100 * r['fraction']:.2f}%"
-    return f"{100 * r['fraction']:.2f}% ({100 * r['fraction_full_attention']:.2f}% of global layers)"
+        return f"{100 * r['fraction']:.2f}%{fp16}"
+    return f"{100 * r['fraction']:.2f}% ({100 * r['fraction_full_attention']:.2f}% of global layers){fp16}"
+
+
+def _mean_or_none(values: list) -> float | None:
+    """The mean of the values, or None when any row lacks one (rows from before the field existed)."""
+    return None if any(v is None for v in values) else float(np.mean(values))

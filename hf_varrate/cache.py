@@ -134,8 +134,8 @@ class VarRateCache(Cache):
             warnings.warn(
                 f"budget={self.config.budget} cannot cover the exact set (stride {self.config.stride}, window "
                 f"{self.config.window}) plus r_min={self.config.r_min} for every coded token of this prompt, so "
-                f"the prompt is stored exactly (nothing lost; see cache.footprint()). Raise the budget or the "
-                f"stride, or lower r_min, to compress it",
+                f"the prompt is stored exactly (nothing lost; see cache.footprint()). Set anchor_share=0.25 (the "
+                f"stride then grows to fit the budget), raise the budget or the stride, or lower r_min, to compress it",
                 VarRateWarning,
                 stacklevel=2,
             )

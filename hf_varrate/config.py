@@ -11,12 +11,15 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-SIGNALS = ("snapkv", "uniform", "random", "shuffle", "position")
+SIGNALS = ("snapkv", "uniform", "random", "shuffle", "position", "key_norm", "residual")
 ALLOCATIONS = ("waterfill", "topk")
 STORAGES = ("materialized", "compact")
 IMPLEMENTATIONS = ("fast", "reference")
 COEF_BITS = (None, 3, 4, 8)
 QUANTIZED_BUDGETS = ("same_ranks", "same_bytes")
+BALANCES = ("none", "rms")
+BUDGET_DTYPES = (None, "float16", "bfloat16", "float32")
+PRESETS = ("paper", "balanced")
 
 
 @dataclass
@@ -41,7 +44,9 @@ class VarRateConfig:
         default="snapkv",
         metadata={
             "help": "Salience signal: 'snapkv' (paper), 'uniform' (flat ablation), 'random', 'shuffle' "
-            "(SnapKV scores permuted) or 'position' (sink + recency shape, no content)."
+            "(SnapKV scores permuted), 'position' (sink + recency shape, no content); beyond the paper (issue #8), "
+            "query-agnostic: 'key_norm' (mean key norm over heads) or 'residual' (norm of the token's residual to "
+            "its anchors: rank follows how hard the token is to code)."
         },
     )
     allocation: str = field(
@@ -80,6 +85,31 @@ class VarRateConfig:
         default=1024, metadata={"help": "Coded tokens per chunk of the fp32 anchor-distance computation."}
     )
     seed: int = field(default=0, metadata={"help": "Seed of the 'random' and 'shuffle' signals."})
+    budget_dtype: str | None = field(
+        default=None,
+        metadata={"help": "Count the budget as if K/V were in this dtype ('float16', 'bfloat16', 'float32'); None: "
+                  "the cache's own dtype. 'float16' sizes a cache computed in fp32 (e.g. on CPU) exactly as an fp16 "
+                  "deployment would be sized: same ranks, so quantized coefficients are not flattered."},
+    )
+    # beyond the paper (issue #8); every one is off in the paper's defaults
+    balance: str = field(
+        default="none",
+        metadata={"help": "'rms' scales the value half of z_t so that keys and values carry equal calibration "
+                  "residual energy before anchor search and PCA (undone after decoding; needs bases with a "
+                  "spectrum); 'none' codes z_t as the paper does (keys dominate its norm)."},
+    )
+    flat_floor: float = field(
+        default=0.0,
+        metadata={"help": "Rank floor as a share of the flat rank B / C: every coded token gets at least "
+                  "max(r_min, flat_floor * B / C), so a stale salience signal cannot starve a token. In [0, 1]; "
+                  "1 is flat allocation."},
+    )
+    anchor_share: float | None = field(
+        default=None,
+        metadata={"help": "Budget-aware stride: the exact set (anchors + window) may take at most this share of "
+                  "the budget; the stride doubles until it does (at most until n_anchors anchors remain). None "
+                  "keeps the stride, and a budget too small for the exact set stores the prompt exactly."},
+    )
 
     def __post_init__(self):
         _check_range("budget", self.budget, 0.0, 1.0, low_open=True, fix="use e.g. budget=0.2 (keep 20%)")
@@ -108,6 +138,25 @@ class VarRateConfig:
         _check_int("coef_group", self.coef_group, 1)
         _check_choice("quantized_budget", self.quantized_budget, QUANTIZED_BUDGETS)
         _check_choice("implementation", self.implementation, IMPLEMENTATIONS)
+        _check_choice("budget_dtype", self.budget_dtype, BUDGET_DTYPES)
+        _check_choice("balance", self.balance, BALANCES)
+        _check_range("flat_floor", self.flat_floor, 0.0, 1.0, fix="use e.g. flat_floor=0.5 (half the flat rank)")
+        if self.anchor_share is not None:
+            _check_range("anchor_share", self.anchor_share, 0.0, 1.0, low_open=True,
+                         fix="use e.g. anchor_share=0.25, or None to keep the stride")
+        beyond = {"balance": self.balance != "none", "signal": self.signal in ("key_norm", "residual")}
+        if self.implementation == "reference" and any(beyond.values()):
+            name = next(k for k, v in beyond.items() if v)
+            raise ValueError(f"implementation='reference' runs the paper's algorithm only, got {name}="
+                             f"{getattr(self, name)!r}; use implementation='fast' (the default)")
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> VarRateConfig:
+        """A named set of defaults: 'paper' (Section 4.1, for reproduction: every option of issue #8 off) or
+        'balanced' (issue #8's options chosen on a development split; see the README's ablation)."""
+        _check_choice("preset", name, PRESETS)
+        base = {} if name == "paper" else dict(BALANCED_PRESET)
+        return cls(**{**base, **overrides})
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -128,6 +177,11 @@ class VarRateConfig:
 
     def replace(self, **changes) -> VarRateConfig:
         return dataclasses.replace(self, **changes)
+
+
+# Chosen on the development split of the issue #8 ablation (README, "Beyond the paper").
+BALANCED_PRESET = {"balance": "rms", "flat_floor": 0.5, "anchor_share": 0.25, "coef_bits": 4,
+                   "quantized_budget": "same_bytes"}
 
 
 def _check_range(name, value, low, high, *, low_open=False, fix=""):

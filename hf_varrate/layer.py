@@ -21,6 +21,7 @@ from transformers.cache_utils import DynamicLayer
 from .bases import Bases
 from .binding import PrefillContext
 from .codec import PromptCode, compress_prompt, decode_prompt
+from .codec.balance import coding_basis
 from .config import VarRateConfig
 from .rotary import RopeMemo, RotaryFrequencies
 
@@ -152,19 +153,19 @@ class VarRateLayer(DynamicLayer):
         self._offsets = [self._rope_offset(row) for row in rows]
         if self.storage == "compact" and not self._rope_fits():
             self.storage = "materialized"
-        basis = self.bases.for_layer(self.layer_idx, keys.device)
+        coding = coding_basis(self.bases, self.layer_idx, self.config.balance, keys.device)  # (basis, scales)
         if self.storage == "compact":
-            self._prefill_compact(rows, basis, context.scaling, keys)
+            self._prefill_compact(rows, coding, context.scaling, keys)
         else:
-            self._prefill_materialized(rows, basis, context.scaling, keys, values)
+            self._prefill_materialized(rows, coding, context.scaling, keys, values)
         return keys, values  # the prefill attends to the exact K/V
 
-    def _prefill_materialized(self, rows, basis, scaling, keys, values):
+    def _prefill_materialized(self, rows, coding, scaling, keys, values):
         self.keys, self.values = keys, values
         whole = len(rows) == 1 and rows[0].span == (0, keys.shape[-2])
         for b, row in enumerate(rows):
-            code, k_hat, v_hat = compress_prompt(row.keys, row.values, row.queries, row.cos, row.sin, basis,
-                                                 self.config, scaling)
+            code, k_hat, v_hat = compress_prompt(row.keys, row.values, row.queries, row.cos, row.sin, coding[0],
+                                                 self.config, scaling, scales=coding[1])
             self.codes.append(code)
             self._spans.append(row.span)
             if k_hat is None:
@@ -177,10 +178,10 @@ class VarRateLayer(DynamicLayer):
             _place(self.keys[b : b + 1], row.span, k_hat)
             _place(self.values[b : b + 1], row.span, v_hat)
 
-    def _prefill_compact(self, rows, basis, scaling, keys):
+    def _prefill_compact(self, rows, coding, scaling, keys):
         for row in rows:
-            code = compress_prompt(row.keys, row.values, row.queries, row.cos, row.sin, basis, self.config, scaling,
-                                   reconstruct=False)[0]
+            code = compress_prompt(row.keys, row.values, row.queries, row.cos, row.sin, coding[0], self.config,
+                                   scaling, reconstruct=False, scales=coding[1])[0]
             exact = code.exact_pos
             code.exact_keys = row.keys.index_select(2, exact)  # copies: the prompt's tensors are not kept
             code.exact_values = row.values.index_select(2, exact)
@@ -220,15 +221,16 @@ class VarRateLayer(DynamicLayer):
         if any(not _covers(span, kept) for span in self._spans):
             keys[:, :, :kept].zero_()
             values[:, :, :kept].zero_()
-        basis = self.bases.for_layer(self.layer_idx, self.keys.device)
+        basis, scales = coding_basis(self.bases, self.layer_idx, self.config.balance, self.keys.device)
         for b, (code, span) in enumerate(zip(self.codes, self._spans)):
             cos, sin = self.memo.tables(self.rope, code.seq_len, self.keys.dtype, self.keys.device, self._offsets[b])
             args = (code, code.exact_keys, code.exact_values, cos, sin, basis)
             if isinstance(span, tuple) and span[1] <= kept:
                 start, stop = span
-                decode_prompt(*args, out=(keys[b : b + 1, :, start:stop], values[b : b + 1, :, start:stop]))
+                decode_prompt(*args, scales=scales,
+                              out=(keys[b : b + 1, :, start:stop], values[b : b + 1, :, start:stop]))
                 continue
-            k_hat, v_hat = decode_prompt(*args)
+            k_hat, v_hat = decode_prompt(*args, scales=scales)
             slots = _slots(span, self.keys.device)
             keep = slots < kept
             keys[b, :, slots[keep]] = k_hat[0][:, keep]

@@ -29,6 +29,7 @@ from .bases import Bases
 from .binding import window_queries
 from .cache import VarRateWarning
 from .codec import PromptCode, decode_prompt, encode_prompt
+from .codec.balance import coding_basis
 from .codec.salience import attention_scale
 from .config import VarRateConfig
 
@@ -96,7 +97,7 @@ class VarRatePress:
     def compress(self, module, hidden_states, keys, values, attentions, kwargs):
         """Keys/values [B, H, S, d] -> their VarRate reconstruction (same shape); records the codes."""
         cos, sin = kwargs["position_embeddings"]
-        basis = self.bases.for_layer(module.layer_idx, keys.device)
+        basis, scales = coding_basis(self.bases, module.layer_idx, self.config.balance, keys.device)
         window = min(self.config.obs_window, hidden_states.shape[1])
         with torch.no_grad():
             queries = window_queries(module, hidden_states, cos, sin, window)  # [B, Hq, W, d]
@@ -105,10 +106,11 @@ class VarRatePress:
                 rows = slice(b, b + 1)
                 cos_b, sin_b = (cos[rows], sin[rows]) if cos.shape[0] > 1 else (cos, sin)
                 k, v = keys[rows], values[rows]
-                code = encode_prompt(k, v, queries[rows], cos_b, sin_b, basis, self.config, attention_scale(module))
+                code = encode_prompt(k, v, queries[rows], cos_b, sin_b, basis, self.config, attention_scale(module),
+                                     scales=scales)
                 if not code.stored_exactly:
                     k_hat, v_hat = decode_prompt(code, k[:, :, code.exact_pos], v[:, :, code.exact_pos], cos_b, sin_b,
-                                                 basis)
+                                                 basis, scales=scales)
                     out_k[rows], out_v[rows] = k_hat, v_hat
                 elif self.config.budget < 1.0:
                     warnings.warn(f"layer {module.layer_idx}: budget={self.config.budget} cannot cover the exact set "

@@ -29,14 +29,15 @@ DEFAULT_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 
 
 def needle_examples(task: str, tokenizer, chat: bool, length: int, n: int, *, num_keys: int = 1,
-                    depths=DEFAULT_DEPTHS, max_new_tokens: int = 16, **_) -> list[Example]:
-    """`n` examples whose compressed context (query-agnostic) is about `length` tokens."""
+                    depths=DEFAULT_DEPTHS, max_new_tokens: int = 16, first: int = 0, **_) -> list[Example]:
+    """`n` examples whose compressed context (query-agnostic) is about `length` tokens: numbers
+    `first` .. `first + n - 1` (a disjoint `first` gives a disjoint split, e.g. development vs held-out)."""
     from hf_varrate.demo import essay_text
 
     essay = re.sub(r"\s+", " ", essay_text())
     body = length - overhead_tokens(tokenizer, chat, CONTEXT)
     return [_example(task, tokenizer, chat, essay, length, body, i, num_keys, tuple(depths), max_new_tokens)
-            for i in range(n)]
+            for i in range(first, first + n)]
 
 
 def _example(task, tokenizer, chat, essay, length, body, i, num_keys, depths, max_new_tokens) -> Example:

@@ -25,7 +25,7 @@ from .projection import RankOrder, decode_blocks, encode_blocks, rank_order
 from .quantization import SCALE_DTYPE, QuantizedCoefs, dequantize, quantize
 from .reference import decode_reference, encode_reference
 from .rope import rotate_rows
-from .salience import coded_salience, snapkv_scores
+from .salience import coded_salience, minmax, snapkv_scores
 
 
 def coefficient_budget(config: VarRateConfig, seq_len: int, n_exact: int, n_coded: int, width: int,
@@ -46,46 +46,61 @@ def coefficient_budget(config: VarRateConfig, seq_len: int, n_exact: int, n_code
     return math.floor(spare / per_coef)  # < 0: the exact set and side information alone exceed the budget
 
 
-def encode_prompt(keys, values, queries, cos, sin, basis, config: VarRateConfig, scaling: float) -> PromptCode:
+def encode_prompt(keys, values, queries, cos, sin, basis, config: VarRateConfig, scaling: float,
+                  scales: torch.Tensor | None = None) -> PromptCode:
     """Compress one prompt. Returns its `PromptCode`; `stored_exactly` when the budget can't cover
     the exact set plus the floor for every coded token (or when budget == 1: nothing to save)."""
-    return compress_prompt(keys, values, queries, cos, sin, basis, config, scaling, reconstruct=False)[0]
+    return compress_prompt(keys, values, queries, cos, sin, basis, config, scaling, reconstruct=False,
+                           scales=scales)[0]
 
 
 def compress_prompt(keys, values, queries, cos, sin, basis, config: VarRateConfig, scaling: float,
-                    reconstruct: bool = True):
+                    reconstruct: bool = True, scales: torch.Tensor | None = None):
     """Encode one prompt and (if `reconstruct`) rebuild it in the same pass.
 
-    Returns (code, keys_hat, values_hat); the reconstruction [1, H, S, d] equals
-    `decode_prompt(code, ...)` bit for bit, and is None when not asked for or stored exactly.
+    `scales` [D] (from `balance.coding_basis`) multiplies z_t before coding and divides the decoded
+    z_t after; `basis` is then the basis of that scaled space. Returns (code, keys_hat, values_hat);
+    the reconstruction [1, H, S, d] equals `decode_prompt(code, ...)` bit for bit, and is None when
+    not asked for or stored exactly.
     """
     code, rank, total = _layout(keys, basis, config)
     if code.stored_exactly:
         return code, None, None
-    with record_function("varrate.salience"):
-        coded_pos, anchor_pos = code.coded_pos, code.anchor_pos
-        salience = _salience(config, queries, keys, scaling, coded_pos, code.seq_len)
+    coded_pos, anchor_pos = code.coded_pos, code.anchor_pos
+    floor = rank_floor(config, total, coded_pos.numel(), rank)
+    allocate = waterfill_ranks if config.allocation == "waterfill" else topk_ranks
+    salience = None
+    if config.signal != "residual":  # 'residual' is known only after the anchor search
+        with record_function("varrate.salience"):
+            salience = _salience(config, queries, keys, scaling, coded_pos, code.seq_len)
     if config.implementation == "reference":
-        packed = encode_reference(code, keys, values, cos, sin, salience, basis, rank, total, config)
+        packed = encode_reference(code, keys, values, cos, sin, salience, basis, rank, total, config, floor)
         code.coefs = _store(packed, code.ranks, keys.dtype, config)
         if not reconstruct:
             return code, None, None
         k_hat, v_hat = keys.clone(), values.clone()
         decode_reference(code, coef_values(code), k_hat, v_hat, cos, sin, basis)
         return code, k_hat, v_hat
-    with record_function("varrate.allocation"):
-        allocate = waterfill_ranks if config.allocation == "waterfill" else topk_ranks
-        ranks = allocate(salience, total, config.r_min, rank)  # Eq. 5
-        plan = rank_order(ranks)
-        coded = coded_pos[plan.order]  # coded positions, by decreasing rank
+    plan = None
+    if salience is not None:
+        with record_function("varrate.allocation"):
+            ranks = allocate(salience, total, floor, rank)  # Eq. 5
+            plan = rank_order(ranks)
+            coded_pos = coded_pos[plan.order]  # coded positions, by decreasing rank
     with record_function("varrate.joint"):
-        z_anchors = joint_rows(keys, values, cos, sin, anchor_pos)  # [A, D] fp32
-        z = joint_rows(keys, values, cos, sin, coded)  # [C, D] fp32
+        z_anchors = _joint(keys, values, cos, sin, anchor_pos, scales)  # [A, D] fp32
+        z = _joint(keys, values, cos, sin, coded_pos, scales)  # [C, D] fp32
     with record_function("varrate.anchor_search"):
         neighbours = nearest_anchors_mm(z, z_anchors, config.n_anchors, config.distance_chunk)  # [C, c]
-    with record_function("varrate.projection"):
         means = gather_means(z_anchors, neighbours)  # Eq. 2
-        packed = encode_blocks(z.sub_(means), basis, plan)  # Eq. 6, truncated per token
+        z.sub_(means)
+    if plan is None:
+        with record_function("varrate.allocation"):
+            ranks = allocate(minmax(z.norm(dim=1)), total, floor, rank)  # in coded_pos order
+            plan = rank_order(ranks)
+            coded_pos, z, means, neighbours = (t[plan.order] for t in (coded_pos, z, means, neighbours))
+    with record_function("varrate.projection"):
+        packed = encode_blocks(z, basis, plan)  # Eq. 6, truncated per token
         code.ranks = ranks.to(smallest_uint(rank))
         code.neighbours = _unsort(neighbours, plan).to(smallest_uint(anchor_pos.numel() - 1))
         code.coefs = _store(packed, code.ranks, keys.dtype, config)
@@ -93,15 +108,36 @@ def compress_prompt(keys, values, queries, cos, sin, basis, config: VarRateConfi
         return code, None, None
     with record_function("varrate.reconstruction"):
         k_hat, v_hat = keys.clone(), values.clone()
-        _reconstruct(code, plan, coded, means, basis, k_hat, v_hat, cos, sin)
+        _reconstruct(code, plan, coded_pos, means, basis, k_hat, v_hat, cos, sin, scales)
     return code, k_hat, v_hat
 
 
+def rank_floor(config: VarRateConfig, total: int, count: int, rank: int) -> int:
+    """The smallest rank a coded token gets: r_min, raised to `flat_floor` x the flat rank B / C."""
+    flat = total / count if count else 0.0
+    return min(max(config.r_min, math.floor(config.flat_floor * flat)), rank)
+
+
+def effective_stride(config: VarRateConfig, seq_len: int) -> int:
+    """The anchor stride for a prompt of `seq_len` tokens: `config.stride`, doubled while the exact set
+    takes more than `anchor_share` of the budget (never past seq_len / n_anchors)."""
+    stride = config.stride
+    if config.anchor_share is None or config.budget >= 1.0:
+        return stride
+    allowed = config.anchor_share * config.budget * seq_len
+    limit = max(seq_len // config.n_anchors, config.stride)
+    while 2 * stride <= limit and int(exact_mask(seq_len, stride, config.window).sum()) > allowed:
+        stride *= 2
+    return stride
+
+
 def decode_prompt(code: PromptCode, exact_keys, exact_values, cos, sin, basis, *, implementation: str = "fast",
-                  out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Reconstruct the full prompt [1, H, S, d] from its code and its exact tokens [1, H, E, d].
     Exact tokens come back bit for bit; coded ones as anchor mean + truncated projection.
-    `out` = (keys, values) [1, H, S, d] (views are fine) receives the result instead of new tensors."""
+    `out` = (keys, values) [1, H, S, d] (views are fine) receives the result instead of new tensors;
+    `basis` and `scales` are those the prompt was compressed with."""
     _, heads, _, dim = exact_keys.shape
     shape = (1, heads, code.seq_len, dim)
     keys, values = out if out is not None else (exact_keys.new_empty(shape), exact_values.new_empty(shape))
@@ -116,9 +152,9 @@ def decode_prompt(code: PromptCode, exact_keys, exact_values, cos, sin, basis, *
             return keys, values
         plan = rank_order(code.ranks)
         coded = code.coded_pos[plan.order]
-        z_anchors = joint_rows(keys, values, cos, sin, code.anchor_pos)
+        z_anchors = _joint(keys, values, cos, sin, code.anchor_pos, scales)
         means = gather_means(z_anchors, code.neighbours.long()[plan.order])
-        _reconstruct(code, plan, coded, means, basis, keys, values, cos, sin)
+        _reconstruct(code, plan, coded, means, basis, keys, values, cos, sin, scales)
     return keys, values
 
 
@@ -129,9 +165,16 @@ def coef_values(code: PromptCode) -> torch.Tensor:
     return code.coefs.float()
 
 
-def _reconstruct(code, plan: RankOrder, coded, means, basis, keys, values, cos, sin) -> None:
+def _joint(keys, values, cos, sin, positions, scales):
+    z = joint_rows(keys, values, cos, sin, positions)
+    return z if scales is None else z.mul_(scales)
+
+
+def _reconstruct(code, plan: RankOrder, coded, means, basis, keys, values, cos, sin, scales=None) -> None:
     """Write the coded tokens (rows of `means`, in `plan` order, at positions `coded`) into keys/values."""
     z_hat = decode_blocks(means, coef_values(code), basis, plan)  # [C, D] fp32
+    if scales is not None:
+        z_hat.div_(scales)
     count, heads, dim = coded.numel(), keys.shape[1], keys.shape[-1]
     half = heads * dim
     k_hat = rotate_rows(z_hat[:, :half].view(count, heads, dim), cos[0, coded].float(), sin[0, coded].float())
@@ -144,13 +187,15 @@ def _layout(keys, basis, config: VarRateConfig) -> tuple[PromptCode, int, int]:
     _, heads, seq_len, dim = keys.shape
     width = 2 * heads * dim
     rank = min(config.rank or basis.shape[0], basis.shape[0], width)
-    n_exact = int(exact_mask(seq_len, config.stride, config.window, keys.device).sum())
+    stride = effective_stride(config, seq_len)
+    n_exact = int(exact_mask(seq_len, stride, config.window, keys.device).sum())
     n_coded = seq_len - n_exact
-    n_anchors = anchor_positions(seq_len, config.stride).numel()
+    n_anchors = anchor_positions(seq_len, stride).numel()
     meta = meta_bytes_per_token(config.n_anchors, n_anchors, rank)
-    total = coefficient_budget(config, seq_len, n_exact, n_coded, width, keys.element_size(), meta)
+    kv_bytes = keys.element_size() if config.budget_dtype is None else getattr(torch, config.budget_dtype).itemsize
+    total = coefficient_budget(config, seq_len, n_exact, n_coded, width, kv_bytes, meta)
     empty = torch.empty(0, dtype=torch.int16, device=keys.device)
-    code = PromptCode(seq_len, config.stride, config.window, empty.view(0, 1), empty, empty.to(keys.dtype),
+    code = PromptCode(seq_len, stride, config.window, empty.view(0, 1), empty, empty.to(keys.dtype),
                       width, keys.element_size())
     code.stored_exactly = n_coded == 0 or config.budget >= 1.0 or total < n_coded * config.r_min
     return code, rank, min(total, n_coded * rank)
@@ -170,7 +215,9 @@ def _unsort(rows: torch.Tensor, plan: RankOrder) -> torch.Tensor:
 
 
 def _salience(config, queries, keys, scaling, coded_pos, seq_len):
-    snapkv = None
+    scores = None
     if config.signal in ("snapkv", "shuffle"):
-        snapkv = snapkv_scores(queries, keys, scaling, config.pool_kernel)
-    return coded_salience(config.signal, snapkv, coded_pos, seq_len, config.stride, config.window, config.seed)
+        scores = snapkv_scores(queries, keys, scaling, config.pool_kernel)
+    elif config.signal == "key_norm":
+        scores = keys[0].float().norm(dim=-1).mean(dim=0)  # [S]; RoPE keeps norms
+    return coded_salience(config.signal, scores, coded_pos, seq_len, config.stride, config.window, config.seed)

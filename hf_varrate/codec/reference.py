@@ -15,13 +15,15 @@ from .projection import decode, encode, pack, unpack
 from .rope import rotate_keys, unrotate_keys
 
 
-def encode_reference(code: PromptCode, keys, values, cos, sin, salience, basis, rank: int, total: int, config):
-    """Set `code.neighbours` and `code.ranks`; return the packed coefficients [sum(ranks)] fp32."""
+def encode_reference(code: PromptCode, keys, values, cos, sin, salience, basis, rank: int, total: int, config,
+                     floor: int | None = None):
+    """Set `code.neighbours` and `code.ranks`; return the packed coefficients [sum(ranks)] fp32.
+    `floor`: the rank floor (default `config.r_min`)."""
     coded_pos, anchor_pos = code.coded_pos, code.anchor_pos
     z = join_kv(unrotate_keys(keys, cos, sin), values.float())[0]  # [S, D] fp32
     resid, neighbours = residuals(z[coded_pos], z[anchor_pos], config.n_anchors, config.distance_chunk)
     allocate = waterfill_ranks if config.allocation == "waterfill" else topk_ranks
-    ranks = allocate(salience, total, config.r_min, rank)  # Eq. 5
+    ranks = allocate(salience, total, config.r_min if floor is None else floor, rank)  # Eq. 5
     coefs = encode(resid, basis[:rank])  # Eq. 6, once at full rank
     code.neighbours = neighbours.to(smallest_uint(anchor_pos.numel() - 1))
     code.ranks = ranks.to(smallest_uint(rank))

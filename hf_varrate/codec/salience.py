@@ -76,7 +76,7 @@ def coded_salience(
     generator = torch.Generator(device="cpu").manual_seed(seed)
     if signal == "random":
         return torch.rand(coded.numel(), generator=generator).to(coded.device)
-    s_hat = minmax(snapkv[coded])
+    s_hat = minmax(snapkv[coded])  # 'snapkv', 'shuffle', or 'key_norm' (scores passed in the same slot)
     if signal == "shuffle":  # same marginal, alignment destroyed (Appendix A.17)
         s_hat = s_hat[torch.randperm(s_hat.numel(), generator=generator).to(coded.device)]
     return s_hat

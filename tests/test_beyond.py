@@ -1,0 +1,161 @@
+"""Tier (a): issue #8's options beyond the paper, on random tensors (no model).
+
+balance, flat_floor, anchor_share, budget_dtype, the query-agnostic signals, and the presets.
+"""
+
+import pytest
+import torch
+
+from hf_varrate import VarRateConfig
+from hf_varrate.codec import compress_prompt, decode_prompt, encode_prompt
+from hf_varrate.codec.balance import balanced_basis
+from hf_varrate.codec.pipeline import effective_stride, rank_floor
+
+from test_codec import make_prompt, random_orthonormal
+
+
+def encode(config, seq_len=600, basis=None, scales=None, dtype=torch.float32, seed=0):
+    keys, values, queries, cos, sin = make_prompt(seq_len=seq_len, seed=seed)
+    keys, values = keys.to(dtype), values.to(dtype)
+    basis = random_orthonormal(64, 64) if basis is None else basis
+    return encode_prompt(keys, values, queries.to(dtype), cos, sin, basis, config, 0.25, scales=scales)
+
+
+def test_paper_preset_is_the_default_and_balanced_preset_turns_options_on():
+    assert VarRateConfig.preset("paper") == VarRateConfig()
+    balanced = VarRateConfig.preset("balanced", budget=0.3)
+    assert balanced.budget == 0.3 and balanced != VarRateConfig(budget=0.3)
+    with pytest.raises(ValueError, match="preset must be one of"):
+        VarRateConfig.preset("fast")
+
+
+@pytest.mark.parametrize("field, value", [("flat_floor", 1.5), ("flat_floor", -0.1), ("anchor_share", 0.0),
+                                          ("anchor_share", 2), ("balance", "l2"), ("budget_dtype", "int8")])
+def test_bad_options_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        VarRateConfig(**{field: value})
+
+
+@pytest.mark.parametrize("option", [{"balance": "rms"}, {"signal": "residual"}, {"signal": "key_norm"}])
+def test_reference_implementation_refuses_options_it_lacks(option):
+    with pytest.raises(ValueError, match="implementation='fast'"):
+        VarRateConfig(implementation="reference", **option)
+
+
+@pytest.mark.parametrize("flat_floor", [0.0, 0.5, 0.9])
+def test_flat_floor_lifts_every_rank_and_keeps_the_total(flat_floor):
+    config = VarRateConfig(budget=0.4, r_min=2, flat_floor=flat_floor)
+    code = encode(config)
+    ranks = code.ranks.long()
+    flat = int(ranks.sum()) / ranks.numel()
+    paper = encode(config.replace(flat_floor=0.0)).ranks.long()
+    assert int(ranks.sum()) == int(paper.sum())  # same bytes: the floor moves rank, never adds it
+    assert int(ranks.min()) >= rank_floor(config, int(ranks.sum()), ranks.numel(), 64) >= int(flat_floor * flat) - 1
+    if flat_floor >= 0.5:
+        assert int(ranks.min()) > int(paper.min())  # the salience signal no longer decides the floor
+
+
+def test_anchor_share_doubles_the_stride_until_the_exact_set_fits():
+    config = VarRateConfig(budget=0.1, stride=16, window=16, r_min=2, anchor_share=0.25)
+    stride = effective_stride(config, 2048)
+    exact = 2048 // stride + 16
+    assert stride > 16 and stride % 16 == 0 and exact <= 0.25 * 0.1 * 2048
+    assert effective_stride(config.replace(anchor_share=None), 2048) == 16
+    assert effective_stride(config.replace(budget=1.0), 2048) == 16
+    # never fewer anchors than n_anchors, however small the budget
+    tiny = config.replace(budget=0.01, window=1)
+    assert 2048 // effective_stride(tiny, 2048) >= tiny.n_anchors
+
+
+def test_anchor_share_codes_a_budget_the_paper_stores_exactly():
+    keys, values, queries, cos, sin = make_prompt(seq_len=2048)
+    basis = random_orthonormal(64, 64)
+    paper = VarRateConfig(budget=0.12, window=64, r_min=2)
+    assert encode_prompt(keys, values, queries, cos, sin, basis, paper, 0.25).stored_exactly
+    config = paper.replace(anchor_share=0.5)
+    code, k_hat, v_hat = compress_prompt(keys, values, queries, cos, sin, basis, config, 0.25)
+    assert not code.stored_exactly and code.stride > paper.stride
+    assert code.nbytes() <= 0.12 * 2048 * 64 * 4  # the budget is met, not exceeded
+    exact = code.exact_pos
+    k2, v2 = decode_prompt(code, keys[:, :, exact], values[:, :, exact], cos, sin, basis)
+    assert torch.equal(k2, k_hat) and torch.equal(v2, v_hat)  # the decoder reads the stride from the code
+    assert torch.equal(k_hat[:, :, exact], keys[:, :, exact])
+
+
+def test_budget_dtype_float16_gives_fp32_prompts_the_ranks_of_fp16_ones():
+    config = VarRateConfig(budget=0.3, r_min=4, signal="uniform")  # SnapKV scores would differ by fp16 rounding
+    half = encode(config, dtype=torch.float16)
+    as_half = encode(config.replace(budget_dtype="float16"))
+    assert torch.equal(half.ranks.long(), as_half.ranks.long())
+    quantized = config.replace(coef_bits=4, quantized_budget="same_bytes")
+    plain = encode(quantized).ranks.long().sum()
+    assert encode(quantized.replace(budget_dtype="float16")).ranks.long().sum() < plain  # fp32 flatters 4-bit
+
+
+@pytest.mark.parametrize("signal", ["key_norm", "residual"])
+def test_query_agnostic_signals_meet_the_budget_and_round_trip(signal):
+    keys, values, queries, cos, sin = make_prompt(seq_len=500)
+    basis = random_orthonormal(64, 64)
+    config = VarRateConfig(budget=0.4, r_min=2, signal=signal)
+    code, k_hat, v_hat = compress_prompt(keys, values, queries, cos, sin, basis, config, 0.25)
+    paper = encode_prompt(keys, values, queries, cos, sin, basis, config.replace(signal="snapkv"), 0.25)
+    assert int(code.ranks.long().sum()) == int(paper.ranks.long().sum())
+    assert not torch.equal(code.ranks, paper.ranks)
+    exact = code.exact_pos
+    k2, v2 = decode_prompt(code, keys[:, :, exact], values[:, :, exact], cos, sin, basis)
+    assert torch.equal(k2, k_hat) and torch.equal(v2, v_hat)
+
+
+def test_residual_signal_gives_hard_tokens_more_rank():
+    keys, values, queries, cos, sin = make_prompt(seq_len=500)
+    coded = torch.arange(500)[(torch.arange(500) % 16 != 0) & (torch.arange(500) < 436)]
+    outliers = coded[::7]
+    keys[:, :, outliers] *= 6  # far from every anchor: large residuals
+    config = VarRateConfig(budget=0.4, r_min=2, signal="residual")
+    code = encode_prompt(keys, values, queries, cos, sin, random_orthonormal(64, 64), config, 0.25)
+    ranks = code.ranks.long()
+    is_outlier = torch.isin(code.coded_pos, outliers)
+    assert ranks[is_outlier].float().mean() > 2 * ranks[~is_outlier].float().mean()
+
+
+def synthetic_spectrum(width=64, key_energy=100.0, seed=0):
+    """A calibration second moment whose key half carries `key_energy` times the value half's energy."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(4000, width, generator=g, dtype=torch.float64)
+    a[:, : width // 2] *= key_energy**0.5
+    moment = a.T @ a
+    eigenvalues, eigenvectors = torch.linalg.eigh(moment)
+    order = eigenvalues.argsort(descending=True)
+    return eigenvectors[:, order].T.float().contiguous(), eigenvalues[order].clamp(min=0).sqrt().float(), a
+
+
+def test_balanced_basis_is_orthonormal_and_equalises_the_halves():
+    basis, spectrum, samples = synthetic_spectrum()
+    balanced, scales = balanced_basis(basis, spectrum)
+    assert torch.allclose(balanced @ balanced.T, torch.eye(64), atol=1e-5)
+    assert torch.all(scales[:32] == 1)
+    scaled = samples.float() * scales
+    key_energy, value_energy = scaled[:, :32].square().sum(), scaled[:, 32:].square().sum()
+    assert abs(float(key_energy / value_energy) - 1) < 0.05
+    assert 8 < float(scales[32]) < 12  # sqrt(100)
+
+
+def test_balance_trades_key_error_for_value_error():
+    """Keys 10x the values' norm: unbalanced PCA spends rank on keys; balanced on both halves alike."""
+    basis, spectrum, _ = synthetic_spectrum()
+    balanced, scales = balanced_basis(basis, spectrum)
+    keys, values, queries, cos, sin = make_prompt(seq_len=600, seed=3)
+    keys = keys * 10
+    config = VarRateConfig(budget=0.35, r_min=4, signal="uniform")
+    errors = {}
+    for name, (b, s) in {"none": (basis, None), "rms": (balanced, scales)}.items():
+        code, k_hat, v_hat = compress_prompt(keys, values, queries, cos, sin, b, config, 0.25, scales=s)
+        exact = code.exact_pos
+        k2, v2 = decode_prompt(code, keys[:, :, exact], values[:, :, exact], cos, sin, b, scales=s)
+        assert torch.equal(k2, k_hat) and torch.equal(v2, v_hat)
+        assert torch.equal(k_hat[:, :, exact], keys[:, :, exact])  # exact tokens stay exact under scaling
+        coded = code.coded_pos
+        rel = lambda hat, ref: float((hat - ref)[:, :, coded].norm() / ref[:, :, coded].norm())  # noqa: E731
+        errors[name] = (rel(k_hat, keys), rel(v_hat, values))
+    assert errors["rms"][1] < errors["none"][1]  # values come back better
+    assert errors["rms"][0] > errors["none"][0]  # at the keys' expense
