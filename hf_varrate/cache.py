@@ -106,9 +106,12 @@ class VarRateCache(Cache):
         self._warned_exact = False
 
     @classmethod
-    def from_pretrained(cls, path_or_repo_id, model, *, revision=None, cache_dir=None, local_files_only=False,
-                        token=None, **config_overrides) -> VarRateCache:
-        """Load bases (local directory first, then the Hub), check them against `model`, bind `model`."""
+    def from_pretrained(cls, path_or_repo_id, model, *, preset: str = "paper", revision=None, cache_dir=None,
+                        local_files_only=False, token=None, **config_overrides) -> VarRateCache:
+        """Load bases (local directory first, then the Hub), check them against `model`, bind `model`.
+
+        `preset` picks the defaults ('paper', or 'balanced': see `VarRateConfig.preset`); keyword
+        arguments override single fields (budget=0.3, storage='compact', ...)."""
         if model is None:
             raise ValueError("model= is required: VarRateCache.from_pretrained(path, model=model) binds it")
         bases = Bases.from_pretrained(path_or_repo_id, revision=revision, cache_dir=cache_dir,
@@ -116,7 +119,14 @@ class VarRateCache(Cache):
         for note in bases.validate(model.config):
             warnings.warn(note, VarRateWarning, stacklevel=2)
         calibrated = {k: bases.metadata[k] for k in ("stride", "window", "n_anchors") if k in bases.metadata}
-        config = VarRateConfig(**{**calibrated, **config_overrides})
+        changed = {k: v for k, v in config_overrides.items() if k in calibrated and v != calibrated[k]}
+        if changed:
+            warnings.warn(
+                f"{changed} differ from the values these bases were calibrated with "
+                f"({ {k: calibrated[k] for k in changed} }); the residuals then follow other statistics than the "
+                f"basis was fitted to. Recalibrate with the same settings (hf-varrate calibrate --stride ...) to "
+                f"match them", VarRateWarning, stacklevel=2)
+        config = VarRateConfig.preset(preset, **{**calibrated, **config_overrides})
         bind(model)
         cache = cls(bases, config, model_config=model.config, model=model)
         cache.bases_source = str(path_or_repo_id)

@@ -159,3 +159,60 @@ def test_balance_trades_key_error_for_value_error():
         errors[name] = (rel(k_hat, keys), rel(v_hat, values))
     assert errors["rms"][1] < errors["none"][1]  # values come back better
     assert errors["rms"][0] > errors["none"][0]  # at the keys' expense
+
+
+def calibrated_like(model_config, key_energy=30.0):
+    """Bases with a spectrum whose keys carry `key_energy` x the values' energy, for a tiny model."""
+    from hf_varrate import Bases
+    from hf_varrate.architecture import describe
+
+    shape = describe(model_config)
+    basis, spectrum, _ = synthetic_spectrum(shape.width, key_energy)
+    layers = shape.compressed_layers
+    return Bases.from_tensors({i: basis for i in layers}, model_config, spectra={i: spectrum for i in layers},
+                              stride=16, window=64, n_anchors=4)
+
+
+def test_balanced_preset_end_to_end_compact_equals_materialized(tmp_path, tiny_llama):
+    from hf_varrate import VarRateCache, unbind
+
+    calibrated_like(tiny_llama.config).save_pretrained(tmp_path, dtype=torch.float32)
+    ids = torch.randint(2, 128, (1, 500), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    try:
+        for storage in ("materialized", "compact"):
+            cache = VarRateCache.from_pretrained(tmp_path, model=tiny_llama, preset="balanced", budget=0.3,
+                                                 storage=storage)
+            assert cache.config.balance == "rms"
+            with torch.no_grad():
+                tiny_llama(input_ids=ids, past_key_values=cache, use_cache=True)
+                logits[storage] = tiny_llama(input_ids=ids[:, -1:] + 1, past_key_values=cache).logits
+            assert not cache.layers[0].codes[0].stored_exactly
+            assert cache.footprint().prompt_fraction <= 0.3 + 1e-3
+    finally:
+        unbind(tiny_llama)
+    assert torch.allclose(logits["compact"], logits["materialized"], atol=1e-4)
+
+
+def test_balance_without_a_spectrum_says_how_to_get_one(tmp_path, tiny_llama):
+    from hf_varrate import Bases, VarRateCache, unbind
+
+    Bases.identity(tiny_llama.config).save_pretrained(tmp_path, dtype=torch.float32)
+    ids = torch.randint(2, 128, (1, 300), generator=torch.Generator().manual_seed(0))
+    try:
+        cache = VarRateCache.from_pretrained(tmp_path, model=tiny_llama, balance="rms", budget=0.3)
+        with pytest.raises(ValueError, match="spectrum.*recalibrate"), torch.no_grad():
+            tiny_llama(input_ids=ids, past_key_values=cache, use_cache=True)
+    finally:
+        unbind(tiny_llama)
+
+
+def test_overriding_a_calibrated_setting_warns(tmp_path, tiny_llama):
+    from hf_varrate import VarRateCache, unbind
+
+    calibrated_like(tiny_llama.config).save_pretrained(tmp_path, dtype=torch.float32)
+    try:
+        with pytest.warns(UserWarning, match="stride"):
+            VarRateCache.from_pretrained(tmp_path, model=tiny_llama, stride=32)
+    finally:
+        unbind(tiny_llama)
