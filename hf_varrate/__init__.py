@@ -8,10 +8,11 @@ from .bases import Bases, BasesError
 from .binding import bind, bound, is_bound, unbind
 from .cache import Footprint, LayerFootprint, VarRateCache, VarRateLayer, VarRateWarning
 from .config import VarRateConfig
+from .serialization import CacheFileError
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Bases", "BasesError", "Footprint", "LayerFootprint", "VarRateCache", "VarRateConfig", "VarRateLayer",
-    "VarRateWarning", "bind", "bound", "is_bound", "unbind", "__version__",
+    "Bases", "BasesError", "CacheFileError", "Footprint", "LayerFootprint", "VarRateCache", "VarRateConfig",
+    "VarRateLayer", "VarRateWarning", "bind", "bound", "is_bound", "unbind", "__version__",
 ]
