@@ -314,6 +314,10 @@ def test_shipped_bases_load_validate_and_record_their_quality(request, monkeypat
         bases = cache.bases
         assert bases.metadata["compressed_layers"] == layers and bases.rank == bases.metadata["width"]
         assert (bases.metadata["stride"], bases.metadata["window"], bases.metadata["n_anchors"]) == (16, 64, 4)
+        artifact = Bases.from_pretrained(SHIPPED / name)
+        for i in layers:  # the spectrum a key/value-balanced basis is built from
+            s = artifact.spectrum(i)
+            assert s.shape == (bases.rank,) and bool((s[1:] <= s[:-1]).all()) and float(s[0]) > 0
         quality = bases.metadata["quality"]
         assert quality["budget"] == 0.2 and "held_out" in quality["data"]
         assert quality["calibrated"]["keys"] < quality["identity"]["keys"]
