@@ -53,12 +53,17 @@ MAX_CONFIG_BYTES = 64 << 20  # per-layer bookkeeping of a large batch stays far 
 
 
 def bases_fingerprint(bases: Bases) -> str:
-    """sha256 over every layer's basis (index, dtype, shape, bytes): which bases a cache was coded with."""
+    """sha256 over every layer's basis and spectrum (index, dtype, shape, bytes): which bases a cache was
+    coded with (`balance="rms"` codes with a basis derived from the spectrum). Bases without a spectrum
+    keep the fingerprint they had before spectra existed."""
     digest = hashlib.sha256()
     for i in sorted(bases.tensors):
-        tensor = bases.tensors[i].detach().cpu().contiguous()
-        digest.update(f"{i}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
-        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+        for name, tensor in (("", bases.tensors[i]), ("spectrum", bases.spectra.get(i))):
+            if tensor is None:
+                continue
+            tensor = tensor.detach().cpu().contiguous()
+            digest.update(f"{name}{i}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 

@@ -216,3 +216,29 @@ def test_overriding_a_calibrated_setting_warns(tmp_path, tiny_llama):
             VarRateCache.from_pretrained(tmp_path, model=tiny_llama, stride=32)
     finally:
         unbind(tiny_llama)
+
+
+def test_a_saved_balanced_cache_reloads_only_with_the_same_spectrum(tmp_path, tiny_llama):
+    import copy
+
+    from hf_varrate import CacheFileError, VarRateCache, bind, unbind
+
+    bases = calibrated_like(tiny_llama.config)
+    ids = torch.randint(2, 128, (1, 400), generator=torch.Generator().manual_seed(1))
+    try:
+        cache = VarRateCache(bases, VarRateConfig.preset("balanced", budget=0.3), model=bind(tiny_llama))
+        with torch.no_grad():
+            tiny_llama(input_ids=ids, past_key_values=cache, use_cache=True)
+            want = tiny_llama(input_ids=ids[:, -1:], past_key_values=copy.deepcopy(cache)).logits
+        cache.save_pretrained(tmp_path / "cache")
+        loaded = VarRateCache.load(tmp_path / "cache", model=tiny_llama, bases=bases)
+        with torch.no_grad():
+            got = tiny_llama(input_ids=ids[:, -1:], past_key_values=loaded).logits
+        assert torch.allclose(got, want, atol=1e-5)
+        other = calibrated_like(tiny_llama.config, key_energy=3.0)
+        other.tensors = bases.tensors  # the very same basis tensors: only the spectrum differs
+        with pytest.raises(CacheFileError, match="bases"):
+            VarRateCache.load(tmp_path / "cache", model=tiny_llama, bases=other)
+    finally:
+        unbind(tiny_llama)
+

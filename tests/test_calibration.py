@@ -300,6 +300,7 @@ def test_hf_varrate_calibrate_is_the_same_command(monkeypatch):
 SHIPPED = Path(__file__).resolve().parents[1] / "hub_assets"
 
 
+@pytest.mark.slow  # loads both real models (through getfixturevalue, which conftest cannot see)
 @pytest.mark.parametrize("name, fixture, layers", [
     ("smollm2-135m-instruct", "smollm2", list(range(30))),
     ("gemma-3-270m", "gemma3", [5, 11, 17]),
