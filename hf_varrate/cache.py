@@ -110,7 +110,7 @@ class VarRateCache(Cache):
                         local_files_only=False, token=None, **config_overrides) -> VarRateCache:
         """Load bases (local directory first, then the Hub), check them against `model`, bind `model`.
 
-        `preset` picks the defaults ('paper', or 'balanced': see `VarRateConfig.preset`); keyword
+        `preset` picks the defaults ('paper', or 'recommended': see `VarRateConfig.preset`); keyword
         arguments override single fields (budget=0.3, storage='compact', ...)."""
         if model is None:
             raise ValueError("model= is required: VarRateCache.from_pretrained(path, model=model) binds it")

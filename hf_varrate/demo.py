@@ -141,8 +141,8 @@ def _parser():
     p.add_argument("--bases", default=str(REPO_ROOT / "hub_assets" / "smollm2-135m-instruct"),
                    help="bases directory or Hub repo id")
     p.add_argument("--budget", type=float, default=0.2, help="fraction of the full K/V bytes to keep")
-    p.add_argument("--preset", choices=PRESETS, default="balanced",
-                   help="'balanced' (recommended: issue #8's options, chosen on a development split) or 'paper' "
+    p.add_argument("--preset", choices=PRESETS, default="recommended",
+                   help="'recommended' (recommended: issue #8's options, chosen on a development split) or 'paper' "
                         "(the paper's defaults)")
     p.add_argument("--budget-dtype", default="float16", choices=["float16", "bfloat16", "float32"],
                    help="count the budget as if K/V were in this dtype (default float16: the demo runs in fp32 "

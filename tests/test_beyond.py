@@ -21,10 +21,10 @@ def encode(config, seq_len=600, basis=None, scales=None, dtype=torch.float32, se
     return encode_prompt(keys, values, queries.to(dtype), cos, sin, basis, config, 0.25, scales=scales)
 
 
-def test_paper_preset_is_the_default_and_balanced_preset_turns_options_on():
+def test_paper_preset_is_the_default_and_recommended_preset_turns_options_on():
     assert VarRateConfig.preset("paper") == VarRateConfig()
-    balanced = VarRateConfig.preset("balanced", budget=0.3)
-    assert balanced.budget == 0.3 and balanced != VarRateConfig(budget=0.3)
+    recommended = VarRateConfig.preset("recommended", budget=0.3)
+    assert recommended.budget == 0.3 and recommended != VarRateConfig(budget=0.3)
     with pytest.raises(ValueError, match="preset must be one of"):
         VarRateConfig.preset("fast")
 
@@ -173,7 +173,7 @@ def calibrated_like(model_config, key_energy=30.0):
                               stride=16, window=64, n_anchors=4)
 
 
-def test_balanced_preset_end_to_end_compact_equals_materialized(tmp_path, tiny_llama):
+def test_recommended_preset_end_to_end_compact_equals_materialized(tmp_path, tiny_llama):
     from hf_varrate import VarRateCache, unbind
 
     calibrated_like(tiny_llama.config).save_pretrained(tmp_path, dtype=torch.float32)
@@ -181,7 +181,7 @@ def test_balanced_preset_end_to_end_compact_equals_materialized(tmp_path, tiny_l
     logits = {}
     try:
         for storage in ("materialized", "compact"):
-            cache = VarRateCache.from_pretrained(tmp_path, model=tiny_llama, preset="balanced", budget=0.3,
+            cache = VarRateCache.from_pretrained(tmp_path, model=tiny_llama, preset="recommended", budget=0.3,
                                                  storage=storage)
             assert cache.config.balance == "rms"
             with torch.no_grad():
@@ -226,7 +226,7 @@ def test_a_saved_balanced_cache_reloads_only_with_the_same_spectrum(tmp_path, ti
     bases = calibrated_like(tiny_llama.config)
     ids = torch.randint(2, 128, (1, 400), generator=torch.Generator().manual_seed(1))
     try:
-        cache = VarRateCache(bases, VarRateConfig.preset("balanced", budget=0.3), model=bind(tiny_llama))
+        cache = VarRateCache(bases, VarRateConfig.preset("recommended", budget=0.3), model=bind(tiny_llama))
         with torch.no_grad():
             tiny_llama(input_ids=ids, past_key_values=cache, use_cache=True)
             want = tiny_llama(input_ids=ids[:, -1:], past_key_values=copy.deepcopy(cache)).logits

@@ -5,7 +5,7 @@ module would (it computes the window queries from the layer's input, cos/sin and
 `cache.update(keys, values)`, which compresses. `impl: press` runs hf_varrate.press.VarRatePress
 (the kvpress adapter) instead, through kvpress's forward_hook. Any VarRateConfig field may be given
 in the method spec (budget, signal, allocation, r_min, stride, ...), so new codec options need no
-harness change.
+harness change; `preset: recommended` starts from `VarRateConfig.preset("recommended")` instead of the defaults.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from ..capture import attention_modules, clock, is_sliding
 from .base import Compressed, Context, dynamic_from_capture
 
 REPO = Path(__file__).resolve().parents[2]
-NOT_CONFIG = {"kind", "bases", "impl"}
+NOT_CONFIG = {"kind", "bases", "impl", "preset"}
 
 
 def hub_assets() -> Path:
@@ -57,7 +57,9 @@ class VarRateMethod:
     def config_for(self, bases: Bases) -> VarRateConfig:
         """Calibrated stride/window/n_anchors from the bases, as VarRateCache.from_pretrained does."""
         calibrated = {k: bases.metadata[k] for k in ("stride", "window", "n_anchors") if k in bases.metadata}
-        return VarRateConfig.from_dict({**calibrated, **self.overrides})
+        fields = {**calibrated, **self.overrides}
+        preset = self.spec.get("preset")  # the library's named preset, then this spec's fields on top
+        return VarRateConfig.preset(preset, **fields) if preset else VarRateConfig.from_dict(fields)
 
     def bases(self, ctx: Context, default: str) -> Bases:
         which = self.spec.get("bases", default)
