@@ -510,3 +510,16 @@ def test_fuzz_saved_cache_config_fields_give_our_error_only(saved_caches, tmp_pa
     folder = tmp_path_factory.mktemp("fuzz")
     write_variant(folder, blob, meta)
     load_and_use(model, folder, storage)
+
+
+def test_every_row_of_the_docs_table_names_a_test_that_exists():
+    """docs/bad_inputs.md promises a test per row: each `file.py::test_name` it cites must be defined."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    cited = re.findall(r"(test_\w+\.py)::(test_\w+)", (root / "docs" / "bad_inputs.md").read_text())
+    assert len(cited) > 40
+    missing = [f"{file}::{name}" for file, name in cited
+               if not re.search(rf"^def {name}\(", (root / "tests" / file).read_text(), re.MULTILINE)]
+    assert not missing, f"docs/bad_inputs.md cites tests that do not exist: {missing}"
