@@ -89,7 +89,8 @@ class VarRateConfig:
         default=None,
         metadata={"help": "Count the budget as if K/V were in this dtype ('float16', 'bfloat16', 'float32'); None: "
                   "the cache's own dtype. 'float16' sizes a cache computed in fp32 (e.g. on CPU) exactly as an fp16 "
-                  "deployment would be sized: same ranks, so quantized coefficients are not flattered."},
+                  "deployment would be sized: same ranks, so quantized coefficients are not flattered. Never wider than "
+                  "the K/V's dtype (the cache would exceed its budget)."},
     )
     # beyond the paper (issue #8); every one is off in the paper's defaults
     balance: str = field(

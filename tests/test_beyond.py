@@ -90,6 +90,8 @@ def test_budget_dtype_float16_gives_fp32_prompts_the_ranks_of_fp16_ones():
     quantized = config.replace(coef_bits=4, quantized_budget="same_bytes")
     plain = encode(quantized).ranks.long().sum()
     assert encode(quantized.replace(budget_dtype="float16")).ranks.long().sum() < plain  # fp32 flatters 4-bit
+    with pytest.raises(ValueError, match="budget_dtype='float32' is wider"):  # would exceed the budget
+        encode(config.replace(budget_dtype="float32"), dtype=torch.float16)
 
 
 @pytest.mark.parametrize("signal", ["key_norm", "residual"])

@@ -193,6 +193,11 @@ def _layout(keys, basis, config: VarRateConfig) -> tuple[PromptCode, int, int]:
     n_anchors = anchor_positions(seq_len, stride).numel()
     meta = meta_bytes_per_token(config.n_anchors, n_anchors, rank)
     kv_bytes = keys.element_size() if config.budget_dtype is None else getattr(torch, config.budget_dtype).itemsize
+    if kv_bytes > keys.element_size():
+        raise ValueError(
+            f"budget_dtype={config.budget_dtype!r} is wider than the K/V being compressed ({keys.dtype}): counting "
+            f"the budget in it would let the cache exceed its budget; use budget_dtype=None (the K/V's own dtype)"
+        )
     total = coefficient_budget(config, seq_len, n_exact, n_coded, width, kv_bytes, meta)
     empty = torch.empty(0, dtype=torch.int16, device=keys.device)
     code = PromptCode(seq_len, stride, config.window, empty.view(0, 1), empty, empty.to(keys.dtype),
