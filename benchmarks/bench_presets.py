@@ -22,6 +22,9 @@ VARIANTS = {
     "4-bit, same bytes": {"coef_bits": 4, "quantized_budget": "same_bytes"},
     "anchor_share 0.25": {"anchor_share": 0.25},
     "4-bit + anchor_share": {"coef_bits": 4, "quantized_budget": "same_bytes", "anchor_share": 0.25},
+    "4-bit + anchor_share + uniform": {"coef_bits": 4, "quantized_budget": "same_bytes", "anchor_share": 0.25,
+                                       "signal": "uniform"},
+    "uniform (flat)": {"signal": "uniform"},
     "recommended": "preset",
 }
 
