@@ -142,8 +142,8 @@ def _parser():
                    help="bases directory or Hub repo id")
     p.add_argument("--budget", type=float, default=0.2, help="fraction of the full K/V bytes to keep")
     p.add_argument("--preset", choices=PRESETS, default="recommended",
-                   help="'recommended' (recommended: issue #8's options, chosen on a development split) or 'paper' "
-                        "(the paper's defaults)")
+                   help="'recommended' (the default: issue #8's options, chosen on a development split and "
+                        "confirmed held out) or 'paper' (the paper's defaults)")
     p.add_argument("--budget-dtype", default="float16", choices=["float16", "bfloat16", "float32"],
                    help="count the budget as if K/V were in this dtype (default float16: the demo runs in fp32 "
                         "on CPU, and an fp32 baseline would flatter 4-bit coefficients)")

@@ -91,10 +91,36 @@ def test_config_driven_methods_refuse_typos():
         make_method("x", {"kind": "snapkv"})
 
 
+def test_preset_spec_starts_from_the_library_preset_and_fields_override_it():
+    from hf_varrate import Bases, VarRateConfig
+    from evaluation.methods import make_method
+
+    bases = Bases.from_tensors({0: torch.eye(8)}, stride=16, window=64, n_anchors=4)
+    method = make_method("r", {"kind": "varrate", "preset": "recommended", "budget": 0.3, "signal": "residual"})
+    config = method.config_for(bases)
+    assert config == VarRateConfig.preset("recommended", budget=0.3, signal="residual", stride=16, window=64,
+                                          n_anchors=4)
+    assert make_method("p", {"kind": "varrate", "budget": 0.3}).config_for(bases) == VarRateConfig(budget=0.3)
+
+
+def test_fp16_fraction_counts_the_bytes_an_fp16_cache_would_hold(tiny_llama):
+    from evaluation.methods.varrate import fp16_fraction
+    from hf_varrate import Bases, VarRateCache, VarRateConfig, bound
+
+    config = VarRateConfig.preset("recommended", budget=0.3, budget_dtype="float16", balance="none")
+    cache = VarRateCache(Bases.identity(tiny_llama.config), config, model_config=tiny_llama.config)
+    with bound(tiny_llama), torch.no_grad():
+        tiny_llama(input_ids=torch.randint(2, 128, (1, 600), generator=torch.Generator().manual_seed(0)),
+                   past_key_values=cache)
+    fraction = fp16_fraction(cache)["fraction_fp16"]
+    assert 0.25 < fraction <= 0.3 + 1e-9  # met in fp16 terms ...
+    assert cache.footprint().prompt_fraction < 0.2  # ... which the fp32 cache undercuts
+
+
 def test_configs_parse():
     from evaluation.config import load_config
 
-    for name in ("smoke", "full"):
+    for name in ("smoke", "full", "beyond_dev", "beyond_heldout", "beyond_heldout_gemma"):
         config = load_config(REPO / f"evaluation/configs/{name}.yaml")
         assert config.stages and all(m in config.methods for s in config.stages for m in s.methods)
 
