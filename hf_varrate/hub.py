@@ -51,9 +51,13 @@ def _cached_snapshot(repo_id: str, revision: str | None, cache_dir) -> Path | No
     the cache holds snapshots/<commit>/; a pinned revision must load offline on every version.
     """
     from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.utils import HFValidationError
 
-    paths = [try_to_load_from_cache(repo_id, name, cache_dir=cache_dir, revision=revision)
-             for name in (WEIGHTS_NAME, CONFIG_NAME)]
+    try:
+        paths = [try_to_load_from_cache(repo_id, name, cache_dir=cache_dir, revision=revision)
+                 for name in (WEIGHTS_NAME, CONFIG_NAME)]
+    except HFValidationError:  # not a valid repo id: the caller reports the download's own error
+        return None
     return Path(paths[0]).parent if all(isinstance(p, str) for p in paths) else None
 
 

@@ -28,7 +28,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-from huggingface_hub.errors import HFValidationError
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers.cache_utils import DynamicSlidingWindowLayer
@@ -219,7 +218,7 @@ def _load_bases(meta: dict, model) -> Bases:
                              "VarRateCache.load(dir, model=model, bases=Bases.from_pretrained(...))")
     try:
         return Bases.from_pretrained(source)
-    except (BasesError, OSError, HFValidationError) as err:  # HFValidationError: not a folder nor a valid repo id
+    except (BasesError, OSError) as err:
         raise CacheFileError(f"could not read the bases the cache was saved with ({source}): {err}; pass them: "
                              f"VarRateCache.load(dir, model=model, bases=...)") from err
 

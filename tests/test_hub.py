@@ -308,3 +308,9 @@ def test_cli_push(tmp_path, recording_api, capsys):
     assert main(["push", str(tmp_path), "me/bases3", "--private"]) == 0
     assert "pushed" in capsys.readouterr().out
     assert recording_api.calls[1][1]["private"] is True
+
+
+def test_a_path_that_is_neither_a_folder_nor_a_repo_id_is_a_bases_error(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(BasesError, match="'a b' is not a local directory"):
+        Bases.from_pretrained("a b")  # used to escape as huggingface_hub's HFValidationError
