@@ -42,7 +42,7 @@ def main() -> None:
     bases, _ = bases_for(args.model, model)
     held_out = load_texts(None, split="held_out", seed=0)
     contexts = build_contexts(tokenizer, held_out.documents, args.contexts, args.length)
-    calibrated = {k: bases.metadata[k] for k in ("stride", "window", "n_anchors")}
+    calibrated = bases.calibrated_settings
     rows, data = [], {"environment": environment(), "args": vars(args), "variants": {}}
     for name, fields in VARIANTS.items():
         config = (VarRateConfig.preset("recommended", **calibrated) if fields == "preset"

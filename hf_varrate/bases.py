@@ -85,6 +85,12 @@ class Bases:
 
     # access -----------------------------------------------------------------------------------------
     @property
+    def calibrated_settings(self) -> dict:
+        """The codec settings the bases were calibrated with (stride, window, n_anchors; those recorded):
+        the defaults a cache coding with them should use."""
+        return {k: self.metadata[k] for k in ("stride", "window", "n_anchors") if k in self.metadata}
+
+    @property
     def rank(self) -> int:
         return int(self.metadata["rank"])
 

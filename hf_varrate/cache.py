@@ -118,7 +118,7 @@ class VarRateCache(Cache):
                                       local_files_only=local_files_only, token=token)
         for note in bases.validate(model.config):
             warnings.warn(note, VarRateWarning, stacklevel=2)
-        calibrated = {k: bases.metadata[k] for k in ("stride", "window", "n_anchors") if k in bases.metadata}
+        calibrated = bases.calibrated_settings
         changed = {k: v for k, v in config_overrides.items() if k in calibrated and v != calibrated[k]}
         if changed:
             warnings.warn(

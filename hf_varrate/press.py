@@ -59,8 +59,7 @@ class VarRatePress:
     def from_pretrained(cls, path_or_repo_id, **config_overrides) -> VarRatePress:
         """Load bases like VarRateCache.from_pretrained; keyword arguments override VarRateConfig fields."""
         bases = Bases.from_pretrained(path_or_repo_id)
-        calibrated = {k: bases.metadata[k] for k in ("stride", "window", "n_anchors") if k in bases.metadata}
-        return cls(bases, VarRateConfig(**{**calibrated, **config_overrides}))
+        return cls(bases, VarRateConfig(**{**bases.calibrated_settings, **config_overrides}))
 
     def post_init_from_model(self, model):
         for note in self.bases.validate(model.config):

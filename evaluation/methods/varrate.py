@@ -56,8 +56,7 @@ class VarRateMethod:
 
     def config_for(self, bases: Bases) -> VarRateConfig:
         """Calibrated stride/window/n_anchors from the bases, as VarRateCache.from_pretrained does."""
-        calibrated = {k: bases.metadata[k] for k in ("stride", "window", "n_anchors") if k in bases.metadata}
-        fields = {**calibrated, **self.overrides}
+        fields = {**bases.calibrated_settings, **self.overrides}
         preset = self.spec.get("preset")  # the library's named preset, then this spec's fields on top
         return VarRateConfig.preset(preset, **fields) if preset else VarRateConfig.from_dict(fields)
 

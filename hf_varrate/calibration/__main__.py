@@ -114,7 +114,7 @@ def measure(model, tokenizer, bases: Bases, args) -> dict | None:
     dtype = DTYPES[args.dtype]  # measure what is shipped: the bases after rounding to the saved dtype
     shipped = Bases({i: t.to(dtype).float() for i, t in bases.tensors.items()}, bases.metadata, bases.spectra)
     for name, basis in (("calibrated", shipped), ("identity", Bases.identity(model.config))):
-        basis.metadata.update({k: bases.metadata[k] for k in ("stride", "window", "n_anchors")})
+        basis.metadata.update(bases.calibrated_settings)
         error = reconstruction_error(model, basis, contexts, budget=args.eval_budget, progress=not args.quiet)
         result[name] = {k: round(v, 5) for k, v in error.to_dict().items() if k in ("keys", "values", "footprint")}
         result[name]["per_layer"] = {i: {k: round(x, 5) for k, x in v.items()} for i, v in error.per_layer.items()}

@@ -40,8 +40,7 @@ class ReconstructionError:
 def reconstruction_error(model, bases: Bases, contexts: list[torch.Tensor], budget: float = 0.2,
                          config: VarRateConfig | None = None, progress: bool = False) -> ReconstructionError:
     """Relative reconstruction error of the codec with `bases` at `budget` on `contexts` (batch 1 each)."""
-    calibrated = {k: bases.metadata[k] for k in ("stride", "window", "n_anchors") if k in bases.metadata}
-    config = (config or VarRateConfig(**calibrated)).replace(budget=budget)
+    config = (config or VarRateConfig(**bases.calibrated_settings)).replace(budget=budget)
     sums: dict[int, torch.Tensor] = {}  # layer -> [err_k^2, norm_k^2, err_v^2, norm_v^2]
     stored = full = 0
     was_bound = is_bound(model)
