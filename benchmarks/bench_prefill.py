@@ -54,10 +54,7 @@ def parse_plan(items: list[str]) -> list[dict]:
 
 
 def plain_prefill(model, ids) -> float:
-    start = time.perf_counter()
-    with torch.no_grad():
-        model(ids, past_key_values=DynamicCache(config=model.config), logits_to_keep=1)
-    return time.perf_counter() - start
+    return common.timed_forward(model, ids, DynamicCache(config=model.config))
 
 
 def varrate_prefill(model, ids, bases, budget) -> tuple[float, float]:
@@ -67,15 +64,7 @@ def varrate_prefill(model, ids, bases, budget) -> tuple[float, float]:
     for layer in cache.layers:
         if isinstance(layer, VarRateLayer):
             layer._prefill = _timed(layer._prefill, spent)  # benchmark instrumentation of this instance only
-    hooks = _hook_timers(model, spent)
-    try:
-        start = time.perf_counter()
-        with torch.no_grad():
-            model(ids, past_key_values=cache, logits_to_keep=1)
-        wall = time.perf_counter() - start
-    finally:
-        for handle in hooks:
-            handle.remove()
+    wall = common.timed_forward(model, ids, cache, _hook_timers(model, spent))
     return wall, spent[0]
 
 

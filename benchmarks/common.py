@@ -118,16 +118,22 @@ def capture_prefill(model, ids: torch.Tensor, obs_window: int = 64) -> tuple[dic
     cache.update = recording_update
     for module in attention_modules(model):
         handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
+    seconds = timed_forward(model, ids, cache, handles)
+    captured = {i: LayerInputs(*kv[i], *contexts[i][:3], contexts[i][4], contexts[i][3]) for i in kv}
+    return captured, seconds
+
+
+def timed_forward(model, ids: torch.Tensor, cache, handles=()) -> float:
+    """Wall seconds of one no-grad forward of `ids` into `cache` (last logits only); the hook `handles`
+    are removed afterwards, whatever happens."""
     try:
         start = time.perf_counter()
         with torch.no_grad():
             model(ids, past_key_values=cache, logits_to_keep=1)
-        seconds = time.perf_counter() - start
+        return time.perf_counter() - start
     finally:
         for handle in handles:
             handle.remove()
-    captured = {i: LayerInputs(*kv[i], *contexts[i][:3], contexts[i][4], contexts[i][3]) for i in kv}
-    return captured, seconds
 
 
 def replay_into(cache, captured: dict[int, LayerInputs], layers=None) -> float:
