@@ -24,7 +24,7 @@ from .packing import PromptCode, meta_bytes_per_token, smallest_uint
 from .projection import RankOrder, decode_blocks, encode_blocks, rank_order
 from .quantization import SCALE_DTYPE, QuantizedCoefs, dequantize, quantize
 from .reference import decode_reference, encode_reference
-from .rope import rotate_rows
+from .rope import rotate_heads
 from .salience import coded_salience, minmax, snapkv_scores
 
 
@@ -171,15 +171,29 @@ def _joint(keys, values, cos, sin, positions, scales):
 
 
 def _reconstruct(code, plan: RankOrder, coded, means, basis, keys, values, cos, sin, scales=None) -> None:
-    """Write the coded tokens (rows of `means`, in `plan` order, at positions `coded`) into keys/values."""
+    """Write the prompt into keys/values [1, H, S, d]: the coded tokens (rows of `means`, in `plan` order,
+    at positions `coded`) decoded, the exact ones copied from where `keys`/`values` hold them already.
+
+    The decoded rows go to a token-major [S, D] buffer (contiguous row copies); one transposing copy
+    per half moves it to the head-major layout, where the keys are re-rotated plane by plane. This
+    runs about 2x faster than scattering C rows across H strided head planes."""
     z_hat = decode_blocks(means, coef_values(code), basis, plan)  # [C, D] fp32
     if scales is not None:
         z_hat.div_(scales)
-    count, heads, dim = coded.numel(), keys.shape[1], keys.shape[-1]
-    half = heads * dim
-    k_hat = rotate_rows(z_hat[:, :half].view(count, heads, dim), cos[0, coded].float(), sin[0, coded].float())
-    keys[0].transpose(0, 1).index_copy_(0, coded, k_hat.to(keys.dtype))  # [S, H, d] view, rows by rank
-    values[0].transpose(0, 1).index_copy_(0, coded, z_hat[:, half:].view(count, heads, dim).to(values.dtype))
+    _, heads, seq_len, dim = keys.shape
+    half, exact = heads * dim, code.exact_pos
+    exact_keys, exact_values = keys[0].index_select(1, exact), values[0].index_select(1, exact)  # [H, E, d]
+    rows = z_hat.new_empty(seq_len, 2 * half)
+    rows.index_copy_(0, coded, z_hat)
+    rows.index_fill_(0, exact, 0.0)  # overwritten below; zeros keep stray NaN patterns out of the rotation
+    planes = rows[:, :half].view(seq_len, heads, dim).transpose(0, 1)  # [H, S, d]
+    rotated = keys[0] if keys.dtype == torch.float32 else torch.empty(planes.shape, device=keys.device)
+    rotate_heads(rotated.copy_(planes), cos[0].float(), sin[0].float())
+    if rotated is not keys[0]:
+        keys[0].copy_(rotated)
+    values[0].copy_(rows[:, half:].view(seq_len, heads, dim).transpose(0, 1))
+    keys[0].index_copy_(1, exact, exact_keys)
+    values[0].index_copy_(1, exact, exact_values)
 
 
 def _layout(keys, basis, config: VarRateConfig) -> tuple[PromptCode, int, int]:

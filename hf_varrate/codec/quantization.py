@@ -87,9 +87,22 @@ def quantize(x: torch.Tensor, ranks: torch.Tensor, bits: int, group: int) -> Qua
 
 def dequantize(coefs: QuantizedCoefs, ranks: torch.Tensor) -> torch.Tensor:
     """[N] fp32: min + q * step for every coefficient of the stream."""
-    gid, _ = group_ids(ranks, coefs.group)
+    sizes = group_sizes(ranks, coefs.group)
     q = unpack_bits(coefs.codes, coefs.bits, coefs.count).float()
-    return coefs.mins.float()[gid] + q * coefs.steps.float()[gid]
+    mins = torch.repeat_interleave(coefs.mins.float(), sizes, output_size=coefs.count)
+    steps = torch.repeat_interleave(coefs.steps.float(), sizes, output_size=coefs.count)
+    return q.mul_(steps).add_(mins)
+
+
+def group_sizes(ranks: torch.Tensor, group: int) -> torch.Tensor:
+    """[G] how many coefficients each group holds: `group`, except a token's last group (r_t mod group)."""
+    ranks = ranks.long()
+    counts = group_counts(ranks, group)
+    sizes = torch.full((int(counts.sum()),), group, dtype=torch.long, device=ranks.device)
+    has = counts > 0
+    last = (torch.cumsum(counts, 0) - 1)[has]  # each token's last group
+    sizes[last] = ranks[has] - group * (counts[has] - 1)
+    return sizes
 
 
 def error_bound(coefs: QuantizedCoefs, ranks: torch.Tensor) -> torch.Tensor:
@@ -115,6 +128,8 @@ def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     """Inverse of `pack_bits`: -> [count] uint8."""
     if bits == 8:
         return packed[:count]
+    if bits == 4:  # value 2i in byte i's low nibble, 2i + 1 in its high one
+        return torch.stack((packed & 0xF, packed >> 4), dim=1).view(-1)[:count]
     byte_shifts = torch.arange(bits, device=packed.device) * 8
     words = (packed.view(-1, bits).long() << byte_shifts).sum(dim=1)  # [n / 8]
     shifts = torch.arange(8, device=packed.device) * bits

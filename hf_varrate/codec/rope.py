@@ -58,9 +58,19 @@ def unrotate_rows(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out:
 def rotate_rows(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Pre-RoPE keys [n, H, d] fp32 -> post-RoPE, in place (`keys` may be a strided view); returns
     `keys`. The same arithmetic as `rotate_keys` with fused multiply-adds, so equal to it up to
-    rounding (the fast path's encoder and decoder both use this one)."""
+    rounding (the fast path's encoder and decoder both use this one or `rotate_heads`)."""
+    return _rotate_(keys, cos[:, None], sin[:, None])
+
+
+def rotate_heads(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`rotate_rows` for head-major keys [H, n, d] fp32 (cos, sin [n, d]), in place; bit-identical to it
+    element by element. Each head plane is contiguous here, which runs several times faster than
+    rotating the token-major rows of a wider buffer."""
+    return _rotate_(keys, cos[None], sin[None])
+
+
+def _rotate_(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = keys.shape[-1] // 2
-    cos, sin = cos[:, None], sin[:, None]  # [n, 1, d]
     k1, k2 = keys[..., :half], keys[..., half:]
     first = k1.clone()
     k1.mul_(cos[..., :half]).addcmul_(k2, sin[..., :half], value=-1.0)
