@@ -4,8 +4,8 @@ from hf_varrate import VarRateCache
 from hf_varrate.models import load_default_model
 
 model, tokenizer = load_default_model("smollm2-135m-instruct")
-cache = VarRateCache.from_pretrained("hub_assets/smollm2-135m-instruct", model=model, preset="recommended",
-                                     budget=0.2)  # preset="paper": the paper's defaults
+cache = VarRateCache.from_pretrained("hub_assets/smollm2-135m-instruct", model=model,
+                                     budget=0.2)  # the recommended preset; preset="paper": the paper's defaults
 
 messages = [{"role": "user", "content": "Summarise in one sentence: " + "The quick brown fox jumps. " * 200}]
 inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)

@@ -21,7 +21,37 @@ from .config import VarRateConfig
 from .layer import UNBOUND_MESSAGE, LayerFootprint, VarRateLayer, VarRateWarning, _tensor_bytes
 from .rotary import RopeMemo, RotaryFrequencies
 
-__all__ = ["Footprint", "LayerFootprint", "UNBOUND_MESSAGE", "VarRateCache", "VarRateLayer", "VarRateWarning"]
+__all__ = ["Footprint", "LayerFootprint", "UNBOUND_MESSAGE", "VarRateCache", "VarRateLayer", "VarRateWarning",
+           "preset_config"]
+
+
+def preset_config(bases: Bases, preset: str, overrides: dict, stacklevel: int = 2) -> VarRateConfig:
+    """The config `from_pretrained` builds: `preset`'s defaults, the bases' calibration settings (stride,
+    window, n_anchors), then `overrides`. Two rules, each announced with a VarRateWarning:
+
+    - an override of a calibration setting is kept, with a warning (the residuals then follow other
+      statistics than the basis was fitted to);
+    - the 'recommended' preset's balance='rms' needs the calibration spectrum; with bases that carry none
+      (identity bases, artifacts calibrated before it was shipped) it falls back to balance='none'
+      instead of failing at the prefill. Passing balance= explicitly turns this rule off.
+    """
+    calibrated = bases.calibrated_settings
+    changed = {k: v for k, v in overrides.items() if k in calibrated and v != calibrated[k]}
+    if changed:
+        warnings.warn(
+            f"{changed} differ from the values these bases were calibrated with "
+            f"({ {k: calibrated[k] for k in changed} }); the residuals then follow other statistics than the "
+            f"basis was fitted to. Recalibrate with the same settings (hf-varrate calibrate --stride ...) to "
+            f"match them", VarRateWarning, stacklevel=stacklevel)
+    config = VarRateConfig.preset(preset, **{**calibrated, **overrides})
+    if config.balance != "none" and "balance" not in overrides and not bases.spectra:
+        warnings.warn(
+            f"preset {preset!r} balances keys and values (balance={config.balance!r}), which needs bases that "
+            f"carry their calibration spectrum; these carry none, so balance='none' is used. Recalibrate them "
+            f"with this version (hf-varrate calibrate ...) to get it, or pass balance='none' to silence this",
+            VarRateWarning, stacklevel=stacklevel)
+        config = config.replace(balance="none")
+    return config
 
 
 @dataclass
@@ -106,27 +136,20 @@ class VarRateCache(Cache):
         self._warned_exact = False
 
     @classmethod
-    def from_pretrained(cls, path_or_repo_id, model, *, preset: str = "paper", revision=None, cache_dir=None,
+    def from_pretrained(cls, path_or_repo_id, model, *, preset: str = "recommended", revision=None, cache_dir=None,
                         local_files_only=False, token=None, **config_overrides) -> VarRateCache:
         """Load bases (local directory first, then the Hub), check them against `model`, bind `model`.
 
-        `preset` picks the defaults ('paper', or 'recommended': see `VarRateConfig.preset`); keyword
-        arguments override single fields (budget=0.3, storage='compact', ...)."""
+        `preset` picks the defaults: 'recommended' (the default: see `VarRateConfig.preset` and the README's
+        issue #8 section) or 'paper' (the paper's Section 4.1, for reproduction); keyword arguments override
+        single fields (budget=0.3, storage='compact', ...). See `preset_config` for how the bases shape them."""
         if model is None:
             raise ValueError("model= is required: VarRateCache.from_pretrained(path, model=model) binds it")
         bases = Bases.from_pretrained(path_or_repo_id, revision=revision, cache_dir=cache_dir,
                                       local_files_only=local_files_only, token=token)
         for note in bases.validate(model.config):
             warnings.warn(note, VarRateWarning, stacklevel=2)
-        calibrated = bases.calibrated_settings
-        changed = {k: v for k, v in config_overrides.items() if k in calibrated and v != calibrated[k]}
-        if changed:
-            warnings.warn(
-                f"{changed} differ from the values these bases were calibrated with "
-                f"({ {k: calibrated[k] for k in changed} }); the residuals then follow other statistics than the "
-                f"basis was fitted to. Recalibrate with the same settings (hf-varrate calibrate --stride ...) to "
-                f"match them", VarRateWarning, stacklevel=2)
-        config = VarRateConfig.preset(preset, **{**calibrated, **config_overrides})
+        config = preset_config(bases, preset, config_overrides, stacklevel=3)
         bind(model)
         cache = cls(bases, config, model_config=model.config, model=model)
         cache.bases_source = str(path_or_repo_id)

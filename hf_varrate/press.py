@@ -27,7 +27,7 @@ import torch
 
 from .bases import Bases
 from .binding import window_queries
-from .cache import VarRateWarning
+from .cache import VarRateWarning, preset_config
 from .codec import PromptCode, decode_prompt, encode_prompt
 from .codec.balance import coding_basis
 from .codec.salience import attention_scale
@@ -56,10 +56,11 @@ class VarRatePress:
                             f"use VarRatePress.from_pretrained(path_or_repo_id)")
 
     @classmethod
-    def from_pretrained(cls, path_or_repo_id, **config_overrides) -> VarRatePress:
-        """Load bases like VarRateCache.from_pretrained; keyword arguments override VarRateConfig fields."""
+    def from_pretrained(cls, path_or_repo_id, *, preset: str = "recommended", **config_overrides) -> VarRatePress:
+        """Load bases like VarRateCache.from_pretrained, with the same `preset` and the same rules
+        (`hf_varrate.cache.preset_config`); keyword arguments override VarRateConfig fields."""
         bases = Bases.from_pretrained(path_or_repo_id)
-        return cls(bases, VarRateConfig(**{**bases.calibrated_settings, **config_overrides}))
+        return cls(bases, preset_config(bases, preset, config_overrides, stacklevel=3))
 
     def post_init_from_model(self, model):
         for note in self.bases.validate(model.config):

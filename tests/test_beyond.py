@@ -21,7 +21,7 @@ def encode(config, seq_len=600, basis=None, scales=None, dtype=torch.float32, se
     return encode_prompt(keys, values, queries.to(dtype), cos, sin, basis, config, 0.25, scales=scales)
 
 
-def test_paper_preset_is_the_default_and_recommended_preset_turns_options_on():
+def test_paper_preset_is_the_config_default_and_recommended_preset_turns_options_on():
     assert VarRateConfig.preset("paper") == VarRateConfig()
     recommended = VarRateConfig.preset("recommended", budget=0.3)
     assert recommended.budget == 0.3 and recommended != VarRateConfig(budget=0.3)
@@ -205,6 +205,35 @@ def test_balance_without_a_spectrum_says_how_to_get_one(tmp_path, tiny_llama):
         cache = VarRateCache.from_pretrained(tmp_path, model=tiny_llama, balance="rms", budget=0.3)
         with pytest.raises(ValueError, match="spectrum.*recalibrate"), torch.no_grad():
             tiny_llama(input_ids=ids, past_key_values=cache, use_cache=True)
+    finally:
+        unbind(tiny_llama)
+
+
+def test_from_pretrained_defaults_to_the_recommended_preset(tmp_path, tiny_llama):
+    from hf_varrate import VarRateCache, VarRateConfig, unbind
+
+    calibrated_like(tiny_llama.config).save_pretrained(tmp_path, dtype=torch.float32)
+    try:
+        default = VarRateCache.from_pretrained(tmp_path, model=tiny_llama, budget=0.3).config
+        paper = VarRateCache.from_pretrained(tmp_path, model=tiny_llama, preset="paper", budget=0.3).config
+    finally:
+        unbind(tiny_llama)
+    assert default == VarRateConfig.preset("recommended", budget=0.3, stride=16, window=64, n_anchors=4)
+    assert paper == VarRateConfig(budget=0.3, stride=16, window=64, n_anchors=4)
+
+
+def test_default_preset_falls_back_to_no_balance_on_bases_without_a_spectrum(tmp_path, tiny_llama):
+    from hf_varrate import Bases, VarRateCache, unbind
+
+    Bases.identity(tiny_llama.config).save_pretrained(tmp_path, dtype=torch.float32)
+    ids = torch.randint(2, 128, (1, 300), generator=torch.Generator().manual_seed(0))
+    try:
+        with pytest.warns(UserWarning, match="spectrum.*balance='none'"):
+            cache = VarRateCache.from_pretrained(tmp_path, model=tiny_llama, budget=0.3)
+        assert cache.config.balance == "none" and cache.config.coef_bits == 4  # the rest of the preset stays
+        with torch.no_grad():
+            tiny_llama(input_ids=ids, past_key_values=cache, use_cache=True)  # compresses instead of failing
+        assert not cache.layers[0].codes[0].stored_exactly
     finally:
         unbind(tiny_llama)
 

@@ -265,6 +265,19 @@ def test_varrate_press_in_kvpress_pipeline_matches_varrate_cache(smollm2):
     assert sum(press.layer_bytes().values()) == cache.footprint().bytes
 
 
+@needs_kvpress
+def test_press_from_pretrained_takes_the_cache_presets(tmp_path, tiny_llama):
+    from hf_varrate import Bases, VarRateConfig
+    from hf_varrate.press import VarRatePress
+
+    Bases.identity(tiny_llama.config).save_pretrained(tmp_path)
+    with pytest.warns(UserWarning, match="spectrum"):  # identity bases: the default preset drops balance
+        default = VarRatePress.from_pretrained(tmp_path, budget=0.3)
+    assert default.config == VarRateConfig.preset("recommended", budget=0.3, balance="none")
+    paper = VarRatePress.from_pretrained(tmp_path, preset="paper", budget=0.3)
+    assert paper.config == VarRateConfig(budget=0.3)
+
+
 @pytest.mark.eval
 @needs_kvpress
 def test_smoke_config_runs_end_to_end(tmp_path):
