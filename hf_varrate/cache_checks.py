@@ -92,9 +92,11 @@ def check_rope(cache, tensors: dict, meta: dict, folder: Path) -> None:
 
 # checking a saved cache's layers: every field's type and range, every tensor's dtype and shape, and how
 # they fit together (exact-token counts, ranks vs coefficients, anchor indices, spans, lengths) ----------
-def check_layers(cache, meta: dict, tensors: dict, folder: Path) -> None:
+def check_layers(cache, meta: dict, tensors: dict, folder: Path, dtype: torch.dtype | None = None) -> None:
     """Raise `CacheFileError` naming the first field or tensor that is not what `save_cache` writes.
-    Non-empty layers must agree on batch size, sequence length and dtype (attention reads them together)."""
+    Non-empty layers must agree on batch size, sequence length and dtype (attention reads them together),
+    that dtype must be the model's (`dtype`, when given), and every tensor of the file must belong to a layer."""
+    tensors = _Recording(tensors)
     first = None  # ((batch, length, dtype) or None if empty, where) of layer 0
     for i, info in enumerate(meta["layers"]):
         ctx = _Where(folder, f"layers[{i}]", f"layers.{i}")
@@ -114,6 +116,17 @@ def check_layers(cache, meta: dict, tensors: dict, folder: Path) -> None:
             raise CacheFileError(f"{folder}: {ctx.json} holds (batch, tokens, dtype) = {_show(found)} but "
                                  f"{first[1].json} holds {_show(first[0])}, and every layer holds the same tokens; "
                                  f"{NOT_CONSISTENT}")
+    unused = sorted(set(tensors) - tensors.read - {"rope.inv_freq"})
+    if unused:
+        raise CacheFileError(f"{folder / TENSORS_NAME} holds tensors no layer of {CONFIG_NAME} uses: "
+                             f"{unused[:5]}{' ...' if len(unused) > 5 else ''}; {NOT_CONSISTENT}")
+    saved = first[0][2] if first and first[0] else None
+    if dtype is not None and saved is not None and saved != dtype:
+        name = lambda d: str(d).removeprefix("torch.")  # noqa: E731
+        raise CacheFileError(f"{folder} holds {name(saved)} keys and values but the model runs in {name(dtype)}, "
+                             f"and attention needs both in one dtype; load the model in {name(saved)} (e.g. "
+                             f"from_pretrained(..., dtype=torch.{name(saved)})), or save the cache from a "
+                             f"{name(dtype)} model")
 
 
 def _check_plain(cache, info: dict, tensors: dict, ctx: _Where) -> tuple:
@@ -221,6 +234,9 @@ def _tensor(tensors: dict, ctx: _Where, name: str, dtypes, shape) -> torch.Tenso
     ok = tensor is not None and tensor.dtype in dtypes and tensor.dim() == len(shape)
     ok = ok and all(n is None or n == m for n, m in zip(shape, tensor.shape))
     _expect(ok, ctx.tensor(name), _Text("missing") if tensor is None else _describe(tensor), expected)
+    if tensor.is_floating_point() and tensor.numel() and not bool(torch.isfinite(tensor).all()):
+        # the prefill refuses NaN/inf, and a finite code decodes finite: such a file was edited or badly written
+        _expect(False, ctx.tensor(name), _Text(f"{_describe(tensor)} holding NaN or inf"), "finite values")
     return tensor
 
 
@@ -246,6 +262,18 @@ def _expect(ok: bool, where: str, found, expected: str) -> None:
     if not ok:
         shown = found if isinstance(found, _Text) else repr(found)
         raise CacheFileError(f"{where} is {shown[:120]}, expected {expected}; {NOT_CONSISTENT}")
+
+
+class _Recording(dict):
+    """The file's tensors, remembering which names the checks asked for (the rest belong to no layer)."""
+
+    def __init__(self, tensors: dict):
+        super().__init__(tensors)
+        self.read: set[str] = set()
+
+    def get(self, name, default=None):
+        self.read.add(name)
+        return super().get(name, default)
 
 
 class _Text(str):

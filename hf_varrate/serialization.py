@@ -173,7 +173,7 @@ def load_cache(cls, directory: str | os.PathLike, model, *, bases: Bases | None 
                              f"{err}") from err
     cache.bases_source = meta["bases"].get("source")
     check_rope(cache, tensors, meta, folder)
-    check_layers(cache, meta, tensors, folder)
+    check_layers(cache, meta, tensors, folder, dtype=next(model.parameters()).dtype)
     device = device if device is not None else next(model.parameters()).device
     for i, info in enumerate(meta["layers"]):
         _load_layer(cache, i, info, tensors, device)

@@ -458,6 +458,16 @@ def _anchor_out_of_range(neighbours):
     return neighbours
 
 
+def _poison_one(tensor):
+    tensor = tensor.clone()
+    tensor.view(-1)[3] = float("nan") if tensor.dim() == 1 else float("inf")
+    return tensor
+
+
+def _add_tensor(meta, tensors):
+    tensors["layers.0.rows.0.extra"] = torch.zeros(3)
+
+
 ROW = "layers.0.rows.0"
 SAVE_AGAIN = r"; this is not a consistent saved cache .*: save it again with cache.save_pretrained\(dir\)"
 
@@ -480,8 +490,12 @@ SAVE_AGAIN = r"; this is not a consistent saved cache .*: save it again with cac
     (_edit(f"{ROW}.coefs", lambda coefs: coefs[:-1]), rf"tensor {ROW}.coefs is float32 \[\d+\], expected a float32 "
                                                       rf"tensor of shape \[\d+\]"),
     (_edit(f"{ROW}.exact_values", lambda values: values.half()), rf"tensor {ROW}.exact_values is float16"),
+    (_edit(f"{ROW}.coefs", _poison_one), rf"tensor {ROW}.coefs is float32 \[\d+\] holding NaN or inf, expected "
+                                         rf"finite values"),
+    (_edit(f"{ROW}.exact_keys", _poison_one), rf"tensor {ROW}.exact_keys is float32 \[1, 2, 52, 16\] holding NaN or inf"),
+    (_add_tensor, r"holds tensors no layer of cache_config.json uses: \['layers.0.rows.0.extra'\]"),
 ], ids=["ranks", "source", "row", "seq_len", "span", "rope_offset", "prompt_len", "dtype", "kind", "lengths",
-        "neighbours", "coefs", "exact_dtype"])
+        "neighbours", "coefs", "exact_dtype", "nan_coefs", "inf_exact", "extra_tensor"])
 def test_inconsistent_saved_cache_error_names_the_field_the_value_and_the_fix(saved_caches, tmp_path, damage,
                                                                                message):
     """Each check of the loader: the error names the field or tensor, what it holds, what was expected, and
@@ -491,6 +505,21 @@ def test_inconsistent_saved_cache_error_names_the_field_the_value_and_the_fix(sa
     with pytest.raises(CacheFileError, match=message) as caught:
         VarRateCache.load(tmp_path, model=model)
     assert re.search(SAVE_AGAIN, str(caught.value)), str(caught.value)
+
+
+def test_a_saved_cache_in_another_dtype_than_the_model_names_both_and_the_fix(saved_caches, tmp_path):
+    model, folders = saved_caches
+    rotary = {m: m.inv_freq for m in model.modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)}
+    model.to(torch.bfloat16)  # as from_pretrained(dtype=torch.bfloat16) loads it: the RoPE frequencies stay fp32
+    for module, inv_freq in rotary.items():
+        module.inv_freq = inv_freq
+    try:
+        with pytest.raises(CacheFileError, match=r"holds float32 keys and values but the model runs in bfloat16.*"
+                                                 r"load the model in float32"):
+            VarRateCache.load(folders["compact"], model=model)
+    finally:
+        model.to(torch.float32)
+    VarRateCache.load(folders["compact"], model=model)  # and loads again once they agree
 
 
 @FUZZ
