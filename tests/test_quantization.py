@@ -20,6 +20,17 @@ def test_bit_packing_round_trips(bits, count):
     assert torch.equal(unpack_bits(packed, bits, count), values)
 
 
+@pytest.mark.parametrize("bits", [3, 4])
+def test_bit_layout_is_little_endian_words_of_eight_values(bits):
+    """The layout saved caches hold: 8 values per `bits` bytes, value j at bit j * bits of a little-endian
+    word. The 4-bit fast path (nibbles) must write and read exactly this."""
+    values = torch.tensor([1, 2, 3, 4, 5, 6, 7, 0, 3], dtype=torch.uint8)
+    word = sum(int(v) << (j * bits) for j, v in enumerate(values[:8].tolist()))
+    expected = list(word.to_bytes(bits, "little")) + [3] + [0] * (bits - 1)
+    assert pack_bits(values, bits).tolist() == expected
+    assert torch.equal(unpack_bits(torch.tensor(expected, dtype=torch.uint8), bits, 9), values)
+
+
 def stream(seed=0, tokens=300, max_rank=120, scale=10.0):
     g = torch.Generator().manual_seed(seed)
     ranks = torch.randint(0, max_rank + 1, (tokens,), generator=g)

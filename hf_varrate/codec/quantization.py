@@ -72,17 +72,19 @@ def quantize(x: torch.Tensor, ranks: torch.Tensor, bits: int, group: int) -> Qua
     if bits not in BITS:
         raise ValueError(f"coef_bits must be one of {list(BITS)} or None, got {bits!r}")
     x = x.float()
-    gid, n_groups = group_ids(ranks, group)
+    sizes = group_sizes(ranks, group)
+    n_groups, count = sizes.numel(), x.numel()
+    gid = torch.repeat_interleave(torch.arange(n_groups, device=x.device), sizes, output_size=count)
     levels = 2**bits - 1
     lo = torch.full((n_groups,), float("inf"), device=x.device).scatter_reduce(0, gid, x, "amin")
     hi = torch.full((n_groups,), float("-inf"), device=x.device).scatter_reduce(0, gid, x, "amax")
     dtype = scale_dtype(lo, hi)
     mins = _round_down(lo, dtype)  # min <= every value of its group, after rounding to fp16
     steps = _round_up((hi - mins.float()) / levels, dtype)  # min + levels * step >= max
-    step = steps.float()[gid]
-    q = torch.where(step > 0, (x - mins.float()[gid]) / step, torch.zeros_like(x))
-    q = q.round().clamp_(0, levels).to(torch.uint8)
-    return QuantizedCoefs(pack_bits(q, bits), mins, steps, bits, group, x.numel())
+    step = torch.repeat_interleave(steps.float(), sizes, output_size=count)
+    q = (x - torch.repeat_interleave(mins.float(), sizes, output_size=count)).div_(step)
+    q = torch.where(step > 0, q, 0.0).round_().clamp_(0, levels).to(torch.uint8)
+    return QuantizedCoefs(pack_bits(q, bits), mins, steps, bits, group, count)
 
 
 def dequantize(coefs: QuantizedCoefs, ranks: torch.Tensor) -> torch.Tensor:
@@ -116,6 +118,11 @@ def pack_bits(q: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 8:
         return q.contiguous()
     n = q.numel()
+    if bits == 4:  # value 2i in byte i's low nibble, 2i + 1 in its high one (what the general path writes)
+        pairs = torch.zeros(-(-n // 8) * 8, dtype=torch.uint8, device=q.device)
+        pairs[:n] = q
+        pairs = pairs.view(-1, 2)
+        return pairs[:, 0] | (pairs[:, 1] << 4)
     padded = torch.zeros(-(-n // 8) * 8, dtype=torch.int64, device=q.device)
     padded[:n] = q
     shifts = torch.arange(8, device=q.device) * bits
