@@ -92,6 +92,10 @@ def test_budget_dtype_float16_gives_fp32_prompts_the_ranks_of_fp16_ones():
     assert encode(quantized.replace(budget_dtype="float16")).ranks.long().sum() < plain  # fp32 flatters 4-bit
     with pytest.raises(ValueError, match="budget_dtype='float32' is wider"):  # would exceed the budget
         encode(config.replace(budget_dtype="float32"), dtype=torch.float16)
+    # and the bytes count as the fp16 code's: an fp32 code sized in fp16 takes, counted at 2 bytes a value,
+    # exactly what the fp16 code holds, and meets the budget there
+    assert as_half.nbytes(kv_bytes=2) == half.nbytes() and as_half.full_nbytes(kv_bytes=2) == half.full_nbytes()
+    assert as_half.nbytes(kv_bytes=2) <= 0.3 * half.full_nbytes() < as_half.nbytes()
 
 
 @pytest.mark.parametrize("signal", ["key_norm", "residual"])

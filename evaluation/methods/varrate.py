@@ -101,22 +101,12 @@ def _weights_sha(bases: Bases) -> str | None:
 
 
 def fp16_fraction(cache) -> dict:
-    """What the compressed layers would hold with K/V in fp16 (exact tokens and unquantized coefficients
-    at 2 bytes; quantized coefficients, anchor indices and ranks as stored), over fp16 K/V of the same
-    layers. The models run in fp32 on CPU; with `budget_dtype: float16` this is the fraction the budget
-    was met in, and the one an fp16 deployment would measure."""
-    from hf_varrate.codec.packing import QuantizedCoefs, coef_bytes
-
-    held = full = 0
-    for layer in cache.layers:
-        for code in getattr(layer, "codes", []):
-            full += code.seq_len * code.width * 2
-            held += code.exact_pos.numel() * code.width * 2
-            if not code.stored_exactly:
-                coefs = coef_bytes(code.coefs) if isinstance(code.coefs, QuantizedCoefs) else code.coefs.numel() * 2
-                held += code.neighbours.numel() * code.neighbours.element_size() + code.ranks.numel() * \
-                    code.ranks.element_size() + coefs
-    return {"fraction_fp16": held / full if full else None}
+    """What the compressed layers would hold with K/V in fp16 (`PromptCode.nbytes(kv_bytes=2)`), over fp16
+    K/V of the same layers. The models run in fp32 on CPU; with `budget_dtype: float16` this is the
+    fraction the budget was met in, and the one an fp16 deployment would measure."""
+    codes = [code for layer in cache.layers for code in getattr(layer, "codes", [])]
+    full = sum(code.full_nbytes(kv_bytes=2) for code in codes)
+    return {"fraction_fp16": sum(code.nbytes(kv_bytes=2) for code in codes) / full if full else None}
 
 
 def rank_diagnostics(cache) -> dict:

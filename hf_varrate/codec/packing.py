@@ -64,32 +64,32 @@ class PromptCode:
         return exact_mask(self.seq_len, self.stride, self.window, self.device)
 
     # bytes ---------------------------------------------------------------------------------------
-    def nbytes(self, limit: int | None = None) -> int:
+    def nbytes(self, limit: int | None = None, kv_bytes: int | None = None) -> int:
         """Bytes this prompt costs: exact tokens at full width plus every coded token's codes.
 
         Without `limit` this is exactly the bytes of the tensors the code holds (counting the exact
         tokens at full width even where materialized storage keeps them elsewhere). `limit` counts
         only the first `limit` tokens (after a crop of a materialized cache into the prompt).
+        `kv_bytes` counts exact tokens and unquantized coefficients at that many bytes a value instead
+        of the held dtype's: what the same code takes in another K/V dtype (e.g. 2 for fp16 when the
+        cache ran in fp32 on CPU); quantized coefficients, anchor indices and ranks stay as stored.
         """
         limit = self.seq_len if limit is None else max(min(limit, self.seq_len), 0)
-        n_exact = int((self.exact_pos < limit).sum())
-        exact = n_exact * self.width * self.kv_bytes
+        value_bytes = self.kv_bytes if kv_bytes is None else kv_bytes
+        exact = int((self.exact_pos < limit).sum()) * self.width * value_bytes
         if self.stored_exactly:
             return exact
-        if limit == self.seq_len:
-            return exact + _tensor_bytes(self.neighbours, self.ranks) + coef_bytes(self.coefs)
-        keep = self.coded_pos < limit
+        ranks = self.ranks if limit == self.seq_len else self.ranks[self.coded_pos < limit]
         per_token = self.neighbours.shape[1] * self.neighbours.element_size() + self.ranks.element_size()
-        ranks = self.ranks[keep].long()
         if isinstance(self.coefs, QuantizedCoefs):
-            coefs = self.coefs.nbytes_for(ranks)
+            coefs = coef_bytes(self.coefs) if limit == self.seq_len else self.coefs.nbytes_for(ranks)
         else:
-            coefs = int(ranks.sum()) * self.coefs.element_size()
-        return exact + int(keep.sum()) * per_token + coefs
+            coefs = int(ranks.long().sum()) * (self.coefs.element_size() if kv_bytes is None else kv_bytes)
+        return exact + ranks.numel() * per_token + coefs
 
-    def full_nbytes(self) -> int:
-        """Bytes the same prompt takes uncompressed in the same dtype."""
-        return self.seq_len * self.width * self.kv_bytes
+    def full_nbytes(self, kv_bytes: int | None = None) -> int:
+        """Bytes the same prompt takes uncompressed in the same dtype (or at `kv_bytes` a value)."""
+        return self.seq_len * self.width * (self.kv_bytes if kv_bytes is None else kv_bytes)
 
     def held_tensors(self) -> list[torch.Tensor]:
         """Every tensor this code holds (for memory accounting)."""
