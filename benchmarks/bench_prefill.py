@@ -29,8 +29,9 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import DynamicCache
 
 import common
-from hf_varrate import VarRateCache, VarRateLayer, bind, unbind
+from hf_varrate import VarRateCache, VarRateConfig, VarRateLayer, bind, unbind
 from hf_varrate.codec import rank_order
+from hf_varrate.config import PRESETS
 
 STAGES = ("salience", "allocation", "joint", "anchor_search", "projection", "reconstruction")
 # model:dtype:lengths[:inrun:plain]; in-run and plain repeats shrink where one prefill takes minutes
@@ -57,9 +58,9 @@ def plain_prefill(model, ids) -> float:
     return common.timed_forward(model, ids, DynamicCache(config=model.config))
 
 
-def varrate_prefill(model, ids, bases, budget) -> tuple[float, float]:
+def varrate_prefill(model, ids, bases, config) -> tuple[float, float]:
     """A real prefill with every VarRate layer's compression timed; (wall seconds, codec seconds)."""
-    cache = VarRateCache(bases, model=model, budget=budget)
+    cache = VarRateCache(bases, config, model=model)
     spent = [0.0]
     for layer in cache.layers:
         if isinstance(layer, VarRateLayer):
@@ -96,14 +97,14 @@ def _hook_timers(model, spent):
     return handles
 
 
-def replay_codec(model, bases, captured, budget, implementation="fast") -> tuple[float, VarRateCache]:
-    cache = VarRateCache(bases, model=model, budget=budget, implementation=implementation)
+def replay_codec(model, bases, captured, config, implementation="fast") -> tuple[float, VarRateCache]:
+    cache = VarRateCache(bases, config, model=model, implementation=implementation)
     seconds = common.replay_into(cache, captured)
     return seconds + common.hook_seconds(model, captured), cache
 
 
-def stage_profile(model, bases, captured, budget) -> dict:
-    cache = VarRateCache(bases, model=model, budget=budget)
+def stage_profile(model, bases, captured, config) -> dict:
+    cache = VarRateCache(bases, config, model=model)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         wall = common.replay_into(cache, captured)
     stages = {e.key.removeprefix("varrate."): e.cpu_time_total / 1e6 for e in prof.key_averages()
@@ -155,7 +156,7 @@ def run_config(cfg, args, models) -> dict:
         bind(model)
         ids = common.document_ids(tokenizer, 256)
         plain_prefill(model, ids)  # warm-up
-        varrate_prefill(model, ids, bases, args.budget)
+        varrate_prefill(model, ids, bases, args.config)
         models[(name, dtype)] = (model, tokenizer, bases, bases_name)
     model, tokenizer, bases, bases_name = models[(name, dtype)]
     ids = common.document_ids(tokenizer, length)
@@ -164,11 +165,12 @@ def run_config(cfg, args, models) -> dict:
     plains = [first_plain]
     replays = []
     for _ in range(args.replays):
-        seconds, cache = replay_codec(model, bases, captured, args.budget)
+        seconds, cache = replay_codec(model, bases, captured, args.config)
         replays.append(seconds)
-    reference = [replay_codec(model, bases, captured, args.budget, "reference")[0]
-                 for _ in range(args.replays if length <= args.reference_up_to else 0)]
-    stages = stage_profile(model, bases, captured, args.budget)
+    with_reference = length <= args.reference_up_to and args.preset == "paper"  # the reference runs the paper only
+    reference = [replay_codec(model, bases, captured, args.config, "reference")[0]
+                 for _ in range(args.replays if with_reference else 0)]
+    stages = stage_profile(model, bases, captured, args.config)
     flops = codec_flops(cache, captured)
     fp = cache.footprint()
     inrun, walls = [], []
@@ -176,7 +178,7 @@ def run_config(cfg, args, models) -> dict:
         if r < cfg["plain"]:
             plains.append(plain_prefill(model, ids))
         if r < cfg["inrun"]:
-            wall, codec = varrate_prefill(model, ids, bases, args.budget)
+            wall, codec = varrate_prefill(model, ids, bases, args.config)
             walls.append(wall)
             inrun.append(codec / (wall - codec))
     del captured
@@ -213,7 +215,8 @@ def markdown(results, env, args) -> str:
                      f"{100 * r['overhead_end_to_end']:+.0f}%" if r["overhead_end_to_end"] is not None else "-",
                      f"{100 * r['flops_share']:.2f}%", shares])
     exps = _exponents(results)
-    lines = [f"## Prefill overhead of VarRate (budget {args.budget}, {env['torch_threads']} torch thread(s))", "",
+    lines = [f"## Prefill overhead of VarRate (preset {args.preset!r}, budget {args.budget}, "
+             f"{env['torch_threads']} torch thread(s))", "",
              common.table(["model", "dtype", "tokens", "plain prefill s", "codec s (replayed)", "overhead (accounted)",
                            "reference path (before)", "overhead (in run)", "end to end", "codec FLOPs / prefill FLOPs",
                            "stage % (" + " / ".join(STAGES) + ")"], rows), "",
@@ -244,19 +247,23 @@ def main(argv=None):
                         help="model:dtype:len1,len2[:inrun1,inrun2[:plain1,plain2]] (extra plain / in-run repeats)")
     parser.add_argument("--replays", type=int, default=3, help="codec replays per configuration (median)")
     parser.add_argument("--budget", type=float, default=0.2)
+    parser.add_argument("--preset", choices=PRESETS, default="paper",
+                        help="VarRateConfig.preset the codec runs with (from_pretrained's default is 'recommended')")
     parser.add_argument("--reference-up-to", type=int, default=4096,
                         help="also replay implementation='reference' (the codec before this work) up to this length")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="prefill")
     args = parser.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else argv
+    args.config = VarRateConfig.preset(args.preset, budget=args.budget)
     common.set_threads(args.threads)
     env = common.environment()
     models, results = {}, []
     for cfg in parse_plan(args.plan):
         results.append(run_config(cfg, args, models))
     env["load_average_end"] = common.environment()["load_average"]
-    data = {"env": env, "args": {k: v for k, v in vars(args).items()}, "results": results,
+    data = {"env": env, "args": {k: v for k, v in vars(args).items() if k != "config"},
+            "config": args.config.to_dict(), "results": results,
             "exponents": _exponents(results)}
     common.write_results(args.out, data, markdown(results, env, args))
 
