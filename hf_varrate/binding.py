@@ -50,7 +50,7 @@ def bind(model):
         )
     for module in modules:
         if module not in _HANDLES:
-            _HANDLES[module] = module.register_forward_pre_hook(_capture_prefill, with_kwargs=True)
+            _HANDLES[module] = module.register_forward_pre_hook(prefill_hook, with_kwargs=True)
     return model
 
 
@@ -78,7 +78,14 @@ def bound(model):
         unbind(model)
 
 
-def _capture_prefill(module, args, kwargs):
+def prefill_hook(module, args, kwargs):
+    """The forward pre-hook `bind` installs on an attention module: when the forward is a VarRateCache's
+    prefill, hand the cache layer what the codec needs and the model does not pass to a Cache (the
+    last `obs_window` queries, the RoPE tables, the attention scale, which slots are padding).
+
+    Public so that a harness replaying a captured prefill into a VarRateCache layer by layer can call it
+    with the kwargs the attention module would get (`hidden_states`, `position_embeddings`,
+    `past_key_values`, `attention_mask`) before each `cache.update`, as `evaluation/` does."""
     from .cache import VarRateCache, VarRateLayer
 
     cache = kwargs.get("cache", kwargs.get("past_key_values"))

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from hf_varrate import Bases, VarRateCache, VarRateConfig
-from hf_varrate.binding import _capture_prefill
+from hf_varrate.binding import prefill_hook
 
 from ..capture import attention_modules, clock, is_sliding
 from .base import Compressed, Context, dynamic_from_capture
@@ -85,7 +85,7 @@ class VarRateMethod:
                 if not is_sliding(ctx.model, i):
                     kwargs = {"hidden_states": cap.hidden[i], "position_embeddings": (cap.cos[i], cap.sin[i]),
                               "past_key_values": cache, "attention_mask": None}
-                    _capture_prefill(module, (), kwargs)
+                    prefill_hook(module, (), kwargs)
                 cache.update(cap.keys[i], cap.values[i], i)
         seconds = clock() - start
         extra = {**rank_diagnostics(cache), **fp16_fraction(cache), "bases": self.spec.get("bases", default_bases),
