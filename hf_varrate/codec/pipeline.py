@@ -187,9 +187,10 @@ def _reconstruct(code, plan: RankOrder, coded, means, basis, keys, values, cos, 
     rows.index_copy_(0, coded, z_hat)
     rows.index_fill_(0, exact, 0.0)  # overwritten below; zeros keep stray NaN patterns out of the rotation
     planes = rows[:, :half].view(seq_len, heads, dim).transpose(0, 1)  # [H, S, d]
-    rotated = keys[0] if keys.dtype == torch.float32 else torch.empty(planes.shape, device=keys.device)
+    in_place = keys.dtype == torch.float32  # else rotate in fp32 and round once, as the model's dtype requires
+    rotated = keys[0] if in_place else torch.empty(planes.shape, device=keys.device)
     rotate_heads(rotated.copy_(planes), cos[0].float(), sin[0].float())
-    if rotated is not keys[0]:
+    if not in_place:
         keys[0].copy_(rotated)
     values[0].copy_(rows[:, half:].view(seq_len, heads, dim).transpose(0, 1))
     keys[0].index_copy_(1, exact, exact_keys)
