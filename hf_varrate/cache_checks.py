@@ -150,14 +150,13 @@ def _check_varrate(cache, i: int, info: dict, tensors: dict, ctx: _Where) -> tup
             f"a non-empty list of {tail.shape[0]} rows (the batch size of {ctx.tensor('appended_keys')})")
     basis = cache.bases.tensors[i]
     rank = min(cache.config.rank or basis.shape[0], basis.shape[0], cache.model_shape.width)
-    ends = [_check_row(cache, row, tensors, ctx.row(b), prompt_len, dtype, rank) for b, row in enumerate(rows)]
-    _expect(max(ends) == prompt_len, ctx.field("prompt_len"), prompt_len,
-            f"{max(ends)}, the slot after the last real token of the longest row")
+    for b, row in enumerate(rows):  # each row ends within prompt_len; a right-padded batch ends before it
+        _check_row(cache, row, tensors, ctx.row(b), prompt_len, dtype, rank)
     return tail.shape[0], prompt_kept + appended, dtype
 
 
-def _check_row(cache, row, tensors: dict, ctx: _Where, prompt_len: int, dtype, rank: int) -> int:
-    """One sequence's code; returns the slot after its last real token."""
+def _check_row(cache, row, tensors: dict, ctx: _Where, prompt_len: int, dtype, rank: int) -> None:
+    """One sequence's code, its real tokens within the prompt's `prompt_len` slots."""
     _expect(isinstance(row, dict), ctx.node(), row, "an object (one sequence's code)")
     seq_len = _int(row, "seq_len", ctx, high=prompt_len)
     stride, window = _int(row, "stride", ctx, low=1), _int(row, "window", ctx, low=1)
@@ -171,10 +170,9 @@ def _check_row(cache, row, tensors: dict, ctx: _Where, prompt_len: int, dtype, r
     _check_kv(cache, tensors, ctx, "exact_keys", "exact_values", dtype=dtype, batch=1, tokens=n_exact)
     if not row["stored_exactly"]:
         _check_codes(row, tensors, ctx, seq_len - n_exact, -(-seq_len // stride), dtype, rank)
-    first, end = _check_span(row, tensors, ctx, seq_len, prompt_len)
+    first, _ = _check_span(row, tensors, ctx, seq_len, prompt_len)
     _expect(type(row.get("rope_offset")) is int and row["rope_offset"] in (0, first), ctx.field("rope_offset"),
             row.get("rope_offset"), f"{'0 or ' if first else ''}{first} (where the row's RoPE positions start)")
-    return end
 
 
 def _check_codes(row: dict, tensors: dict, ctx: _Where, n_coded: int, n_anchors: int, dtype, rank: int) -> None:

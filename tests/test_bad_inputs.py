@@ -480,7 +480,7 @@ SAVE_AGAIN = r"; this is not a consistent saved cache .*: save it again with cac
      rf"tensor {ROW}.exact_keys is float32 \[1, 2, 52, 16\], expected a float32 tensor of shape \[1, 2, 51, 16\]"),
     (_set(("layers", 0, "rows", 0, "span"), [0, 299]), r"rows\[0\].span is \[0, 299\], expected null or \[start, "),
     (_set(("layers", 0, "rows", 0, "rope_offset"), 5), r"rows\[0\].rope_offset is 5, expected 0 \(where"),
-    (_set(("layers", 0, "prompt_len"), 400), r"layers\[0\].prompt_len is 400, expected 300, the slot after"),
+    (_set(("layers", 0, "prompt_len"), 299), r"layers\[0\].prompt_kept is 300, expected an integer in \[0, 299\]"),
     (_set(("layers", 0, "dtype"), "float16"), r"appended_keys is float32 \[1, 2, 0, 16\], expected a float16 tensor"),
     (_set(("layers", 0, "kind"), "sliding"), r"kind is 'sliding', expected one of \['empty', 'exact', 'varrate'\]"),
     (_set(("layers", 1, "prompt_kept"), 299),

@@ -88,6 +88,24 @@ def test_left_padded_batch_round_trips(tiny_llama, tmp_path):
     assert torch.equal(a, b)
 
 
+def test_right_padded_batch_round_trips(tiny_llama, tmp_path):
+    """Every row ends in padding, so the prompt's last slots belong to no row: still our own file, and it loads."""
+    ids, mask = torch.zeros(2, 320, dtype=torch.long), torch.zeros(2, 320, dtype=torch.long)
+    ids[0, :300], mask[0, :300] = prompt(tiny_llama, 300, seed=3)[0], 1
+    ids[1, :260], mask[1, :260] = prompt(tiny_llama, 260, seed=4)[0], 1
+    cache = make(tiny_llama, "compact")
+    with torch.no_grad():
+        tiny_llama(ids, attention_mask=mask, past_key_values=cache)
+    cache.save_pretrained(tmp_path)
+    loaded = VarRateCache.load(tmp_path, model=tiny_llama)
+    step, full_mask = prompt(tiny_llama, 1, batch=2, seed=7), torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
+    positions = torch.tensor([[300], [260]])
+    with torch.no_grad():
+        a = tiny_llama(step, attention_mask=full_mask, position_ids=positions, past_key_values=cache).logits
+        b = tiny_llama(step, attention_mask=full_mask, position_ids=positions, past_key_values=loaded).logits
+    assert torch.equal(a, b)
+
+
 def corrupt_byte(path, offset=-10):
     data = bytearray(path.read_bytes())
     data[offset] ^= 0xFF
