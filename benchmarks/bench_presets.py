@@ -25,7 +25,9 @@ VARIANTS = {
     "4-bit + anchor_share + uniform": {"coef_bits": 4, "quantized_budget": "same_bytes", "anchor_share": 0.25,
                                        "signal": "uniform"},
     "uniform (flat)": {"signal": "uniform"},
-    "recommended": "preset",
+    "layer_budgets spectrum": {"layer_budgets": "spectrum"},
+    "recommended": {"preset": "recommended"},
+    "recommended + layer_budgets spectrum": {"preset": "recommended", "layer_budgets": "spectrum"},
 }
 
 
@@ -45,8 +47,8 @@ def main() -> None:
     calibrated = bases.calibrated_settings
     rows, data = [], {"environment": environment(), "args": vars(args), "variants": {}}
     for name, fields in VARIANTS.items():
-        config = (VarRateConfig.preset("recommended", **calibrated) if fields == "preset"
-                  else VarRateConfig(**calibrated, **fields)).replace(budget_dtype="float16")
+        fields = dict(fields)
+        config = VarRateConfig.preset(fields.pop("preset", "paper"), **calibrated, **fields, budget_dtype="float16")
         log(f"{name}: {config}")
         error = reconstruction_error(model, bases, contexts, budget=args.budget, config=config)
         data["variants"][name] = {"keys": error.keys, "values": error.values, "footprint_fp32": error.footprint}

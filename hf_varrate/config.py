@@ -19,6 +19,7 @@ COEF_BITS = (None, 3, 4, 8)
 QUANTIZED_BUDGETS = ("same_ranks", "same_bytes")
 BALANCES = ("none", "rms")
 BUDGET_DTYPES = (None, "float16", "bfloat16", "float32")
+LAYER_BUDGETS = ("uniform", "spectrum")
 PRESETS = ("paper", "recommended")
 
 
@@ -112,6 +113,14 @@ class VarRateConfig:
                   "keeps the stride, and a budget too small for the exact set stores the prompt exactly."},
     )
 
+    layer_budgets: str = field(
+        default="uniform",
+        metadata={"help": "'uniform': every layer gets the budget (the paper); 'spectrum': the layers share their "
+                  "coefficient bytes by their calibration spectra, each keeping the directions above one common "
+                  "share of its residual energy (at least half the flat rank), so that rank goes where it removes "
+                  "the most relative error (needs bases with a spectrum)."},
+    )
+
     def __post_init__(self):
         _check_range("budget", self.budget, 0.0, 1.0, low_open=True, fix="use e.g. budget=0.2 (keep 20%)")
         _check_int("r_min", self.r_min, 0)
@@ -141,11 +150,13 @@ class VarRateConfig:
         _check_choice("implementation", self.implementation, IMPLEMENTATIONS)
         _check_choice("budget_dtype", self.budget_dtype, BUDGET_DTYPES)
         _check_choice("balance", self.balance, BALANCES)
+        _check_choice("layer_budgets", self.layer_budgets, LAYER_BUDGETS)
         _check_range("flat_floor", self.flat_floor, 0.0, 1.0, fix="use e.g. flat_floor=0.5 (half the flat rank)")
         if self.anchor_share is not None:
             _check_range("anchor_share", self.anchor_share, 0.0, 1.0, low_open=True,
                          fix="use e.g. anchor_share=0.25, or None to keep the stride")
-        beyond = {"balance": self.balance != "none", "signal": self.signal in ("key_norm", "residual")}
+        beyond = {"balance": self.balance != "none", "signal": self.signal in ("key_norm", "residual"),
+                  "layer_budgets": self.layer_budgets != "uniform"}
         if self.implementation == "reference" and any(beyond.values()):
             name = next(k for k, v in beyond.items() if v)
             raise ValueError(f"implementation='reference' runs the paper's algorithm only, got {name}="

@@ -21,7 +21,7 @@ from transformers.cache_utils import DynamicLayer
 from .bases import Bases
 from .binding import PrefillContext
 from .codec import PromptCode, compress_prompt, decode_prompt
-from .codec.balance import coding_basis
+from .codec.balance import coding_basis, layer_share
 from .config import VarRateConfig
 from .rotary import RopeMemo, RotaryFrequencies
 
@@ -154,18 +154,19 @@ class VarRateLayer(DynamicLayer):
         if self.storage == "compact" and not self._rope_fits():
             self.storage = "materialized"
         coding = coding_basis(self.bases, self.layer_idx, self.config.balance, keys.device)  # (basis, scales)
+        share = layer_share(self.bases, self.layer_idx, self.config)  # per-layer budgets, or None
         if self.storage == "compact":
-            self._prefill_compact(rows, coding, context.scaling, keys)
+            self._prefill_compact(rows, coding, context.scaling, keys, share)
         else:
-            self._prefill_materialized(rows, coding, context.scaling, keys, values)
+            self._prefill_materialized(rows, coding, context.scaling, keys, values, share)
         return keys, values  # the prefill attends to the exact K/V
 
-    def _prefill_materialized(self, rows, coding, scaling, keys, values):
+    def _prefill_materialized(self, rows, coding, scaling, keys, values, share=None):
         self.keys, self.values = keys, values
         whole = len(rows) == 1 and rows[0].span == (0, keys.shape[-2])
         for b, row in enumerate(rows):
             code, k_hat, v_hat = compress_prompt(row.keys, row.values, row.queries, row.cos, row.sin, coding[0],
-                                                 self.config, scaling, scales=coding[1])
+                                                 self.config, scaling, scales=coding[1], layer_share=share)
             self.codes.append(code)
             self._spans.append(row.span)
             if k_hat is None:
@@ -178,10 +179,10 @@ class VarRateLayer(DynamicLayer):
             _place(self.keys[b : b + 1], row.span, k_hat)
             _place(self.values[b : b + 1], row.span, v_hat)
 
-    def _prefill_compact(self, rows, coding, scaling, keys):
+    def _prefill_compact(self, rows, coding, scaling, keys, share=None):
         for row in rows:
             code = compress_prompt(row.keys, row.values, row.queries, row.cos, row.sin, coding[0], self.config,
-                                   scaling, reconstruct=False, scales=coding[1])[0]
+                                   scaling, reconstruct=False, scales=coding[1], layer_share=share)[0]
             exact = code.exact_pos
             code.exact_keys = row.keys.index_select(2, exact)  # copies: the prompt's tensors are not kept
             code.exact_values = row.values.index_select(2, exact)

@@ -29,7 +29,7 @@ from .bases import Bases
 from .binding import window_queries
 from .cache import VarRateWarning, preset_config
 from .codec import PromptCode, decode_prompt, encode_prompt
-from .codec.balance import coding_basis
+from .codec.balance import coding_basis, layer_share
 from .codec.salience import attention_scale
 from .config import VarRateConfig
 
@@ -98,6 +98,7 @@ class VarRatePress:
         """Keys/values [B, H, S, d] -> their VarRate reconstruction (same shape); records the codes."""
         cos, sin = kwargs["position_embeddings"]
         basis, scales = coding_basis(self.bases, module.layer_idx, self.config.balance, keys.device)
+        share = layer_share(self.bases, module.layer_idx, self.config)
         window = min(self.config.obs_window, hidden_states.shape[1])
         with torch.no_grad():
             queries = window_queries(module, hidden_states, cos, sin, window)  # [B, Hq, W, d]
@@ -107,7 +108,7 @@ class VarRatePress:
                 cos_b, sin_b = (cos[rows], sin[rows]) if cos.shape[0] > 1 else (cos, sin)
                 k, v = keys[rows], values[rows]
                 code = encode_prompt(k, v, queries[rows], cos_b, sin_b, basis, self.config, attention_scale(module),
-                                     scales=scales)
+                                     scales=scales, layer_share=share)
                 if not code.stored_exactly:
                     k_hat, v_hat = decode_prompt(code, k[:, :, code.exact_pos], v[:, :, code.exact_pos], cos_b, sin_b,
                                                  basis, scales=scales)

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import torch
 
+from .layer_budget import energy_shares
 
-def balanced_basis(basis: torch.Tensor, spectrum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(basis of the balanced space [R, D] fp32, scales [D] fp32) for one layer."""
+
+def balanced_basis(basis: torch.Tensor, spectrum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(basis of the balanced space [R, D] fp32, scales [D] fp32, its singular values [R]) for one layer."""
     from ..calibration.pca import principal_components  # calibration imports codec: import late
 
     rank, width = basis.shape
@@ -33,8 +35,8 @@ def balanced_basis(basis: torch.Tensor, spectrum: torch.Tensor) -> tuple[torch.T
         )
     scales = torch.ones(width, dtype=torch.float64)
     scales[half:] = (key_energy / value_energy) ** 0.5
-    balanced, _ = principal_components(scales[:, None] * moment * scales[None, :], rank)
-    return balanced.to(basis.device), scales.float().to(basis.device)
+    balanced, singular = principal_components(scales[:, None] * moment * scales[None, :], rank)
+    return balanced.to(basis.device), scales.float().to(basis.device), singular.float()
 
 
 def coding_basis(bases, layer_idx: int, balance: str, device=None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -52,5 +54,39 @@ def coding_basis(bases, layer_idx: int, balance: str, device=None) -> tuple[torc
                 f"and these have none for layer {layer_idx}; recalibrate them with this version of hf_varrate "
                 f"(hf-varrate calibrate ...) or use balance='none'"
             )
-        cache[key] = balanced_basis(basis, spectrum)
+        balanced, scales, singular = balanced_basis(basis, spectrum)
+        cache[key] = balanced, scales
+        bases.__dict__.setdefault("_balanced_spectra", {})[layer_idx] = singular
     return cache[key]
+
+
+def coding_energies(bases, balance: str) -> tuple[torch.Tensor, dict[int, int]]:
+    """(energies [L, R] of every compressed layer's coding space, {layer index: row}) for per-layer
+    budgets (`layer_budget`): the shipped spectra, or the balanced space's for balance='rms'."""
+    cache = bases.__dict__.setdefault("_energies", {})
+    if balance not in cache:
+        layers = sorted(bases.tensors)
+        missing = [i for i in layers if bases.spectrum(i) is None]
+        if missing:
+            raise ValueError(
+                f"layer_budgets='spectrum' needs bases that carry their calibration spectrum (tensors spectrum.<i>), "
+                f"and these have none for layers {missing[:5]}; recalibrate them with this version of hf_varrate "
+                f"(hf-varrate calibrate ...) or use layer_budgets='uniform'"
+            )
+        if balance == "none":
+            spectra = [bases.spectrum(i) for i in layers]
+        else:
+            for i in layers:
+                coding_basis(bases, i, balance)
+            spectra = [bases.__dict__["_balanced_spectra"][i] for i in layers]
+        cache[balance] = energy_shares(spectra), {i: row for row, i in enumerate(layers)}
+    return cache[balance]
+
+
+def layer_share(bases, layer_idx: int, config) -> tuple[torch.Tensor, int] | None:
+    """What `compress_prompt(layer_share=...)` takes for layer `layer_idx` under `config.layer_budgets`
+    ('spectrum': the coding spaces' energies and this layer's row; 'uniform': None)."""
+    if config.layer_budgets == "uniform":
+        return None
+    energies, rows = coding_energies(bases, config.balance)
+    return energies, rows[layer_idx]

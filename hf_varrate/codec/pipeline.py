@@ -20,6 +20,7 @@ from ..config import VarRateConfig
 from .allocation import topk_ranks, waterfill_ranks
 from .anchors import anchor_positions, exact_mask, gather_means, nearest_anchors_mm
 from .joint import joint_rows
+from .layer_budget import budget_scale
 from .packing import PromptCode, meta_bytes_per_token, smallest_uint
 from .projection import RankOrder, decode_blocks, encode_blocks, rank_order
 from .quantization import SCALE_DTYPE, QuantizedCoefs, dequantize, quantize
@@ -47,23 +48,24 @@ def coefficient_budget(config: VarRateConfig, seq_len: int, n_exact: int, n_code
 
 
 def encode_prompt(keys, values, queries, cos, sin, basis, config: VarRateConfig, scaling: float,
-                  scales: torch.Tensor | None = None) -> PromptCode:
+                  scales: torch.Tensor | None = None, layer_share=None) -> PromptCode:
     """Compress one prompt. Returns its `PromptCode`; `stored_exactly` when the budget can't cover
     the exact set plus the floor for every coded token (or when budget == 1: nothing to save)."""
     return compress_prompt(keys, values, queries, cos, sin, basis, config, scaling, reconstruct=False,
-                           scales=scales)[0]
+                           scales=scales, layer_share=layer_share)[0]
 
 
 def compress_prompt(keys, values, queries, cos, sin, basis, config: VarRateConfig, scaling: float,
-                    reconstruct: bool = True, scales: torch.Tensor | None = None):
+                    reconstruct: bool = True, scales: torch.Tensor | None = None, layer_share=None):
     """Encode one prompt and (if `reconstruct`) rebuild it in the same pass.
 
     `scales` [D] (from `balance.coding_basis`) multiplies z_t before coding and divides the decoded
     z_t after; `basis` is then the basis of that scaled space. Returns (code, keys_hat, values_hat);
     the reconstruction [1, H, S, d] equals `decode_prompt(code, ...)` bit for bit, and is None when
-    not asked for or stored exactly.
+    not asked for or stored exactly. `layer_share` = (energies [L, R], this layer's row) scales the
+    coefficient budget by `layer_budget.budget_scale` (per-layer budgets; None: the uniform Eq. 3).
     """
-    code, rank, total = _layout(keys, basis, config)
+    code, rank, total = _layout(keys, basis, config, layer_share)
     if code.stored_exactly:
         return code, None, None
     coded_pos, anchor_pos = code.coded_pos, code.anchor_pos
@@ -197,7 +199,7 @@ def _reconstruct(code, plan: RankOrder, coded, means, basis, keys, values, cos, 
     values[0].index_copy_(1, exact, exact_values)
 
 
-def _layout(keys, basis, config: VarRateConfig) -> tuple[PromptCode, int, int]:
+def _layout(keys, basis, config: VarRateConfig, layer_share=None) -> tuple[PromptCode, int, int]:
     """The empty code of this prompt, its rank cap R and coefficient total B (Eq. 3)."""
     _, heads, seq_len, dim = keys.shape
     width = 2 * heads * dim
@@ -214,6 +216,10 @@ def _layout(keys, basis, config: VarRateConfig) -> tuple[PromptCode, int, int]:
             f"the budget in it would let the cache exceed its budget; use budget_dtype=None (the K/V's own dtype)"
         )
     total = coefficient_budget(config, seq_len, n_exact, n_coded, width, kv_bytes, meta)
+    if layer_share is not None and total > 0 and n_coded:
+        flat = total / n_coded
+        floor = max(config.r_min, math.floor(flat / 2))
+        total = math.floor(total * budget_scale(*layer_share, flat=flat, floor=floor))
     empty = torch.empty(0, dtype=torch.int16, device=keys.device)
     code = PromptCode(seq_len, stride, config.window, empty.view(0, 1), empty, empty.to(keys.dtype),
                       width, keys.element_size())
