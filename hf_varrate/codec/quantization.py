@@ -56,17 +56,6 @@ def group_counts(ranks: torch.Tensor, group: int) -> torch.Tensor:
     return (ranks.long() + group - 1) // group
 
 
-def group_ids(ranks: torch.Tensor, group: int) -> tuple[torch.Tensor, int]:
-    """[N] the group of every coefficient of the packed stream, and the number of groups G."""
-    ranks = ranks.long()
-    counts = group_counts(ranks, group)
-    starts = torch.cumsum(counts, 0) - counts  # first group of each token
-    token = torch.repeat_interleave(torch.arange(ranks.numel(), device=ranks.device), ranks)  # [N]
-    offset = torch.cumsum(ranks, 0) - ranks
-    within = torch.arange(token.numel(), device=ranks.device) - offset[token]  # j, position inside the token
-    return starts[token] + within // group, int(counts.sum())
-
-
 def quantize(x: torch.Tensor, ranks: torch.Tensor, bits: int, group: int) -> QuantizedCoefs:
     """Quantize the packed stream x [N] (token after token, r_t each) to `bits` bits per value."""
     if bits not in BITS:
@@ -109,8 +98,8 @@ def group_sizes(ranks: torch.Tensor, group: int) -> torch.Tensor:
 
 def error_bound(coefs: QuantizedCoefs, ranks: torch.Tensor) -> torch.Tensor:
     """[N] the largest |x - dequantize(x)| rounding allows: half a step of the value's group."""
-    gid, _ = group_ids(ranks, coefs.group)
-    return coefs.steps.float()[gid] / 2
+    sizes = group_sizes(ranks, coefs.group)
+    return torch.repeat_interleave(coefs.steps.float(), sizes, output_size=coefs.count) / 2
 
 
 def pack_bits(q: torch.Tensor, bits: int) -> torch.Tensor:
