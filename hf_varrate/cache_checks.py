@@ -170,7 +170,7 @@ def _check_row(cache, row, tensors: dict, ctx: _Where, prompt_len: int, dtype, r
     _check_kv(cache, tensors, ctx, "exact_keys", "exact_values", dtype=dtype, batch=1, tokens=n_exact)
     if not row["stored_exactly"]:
         _check_codes(row, tensors, ctx, seq_len - n_exact, -(-seq_len // stride), dtype, rank)
-    first, _ = _check_span(row, tensors, ctx, seq_len, prompt_len)
+    first = _check_span(row, tensors, ctx, seq_len, prompt_len)
     _expect(type(row.get("rope_offset")) is int and row["rope_offset"] in (0, first), ctx.field("rope_offset"),
             row.get("rope_offset"), f"{'0 or ' if first else ''}{first} (where the row's RoPE positions start)")
 
@@ -199,19 +199,19 @@ def _check_codes(row: dict, tensors: dict, ctx: _Where, n_coded: int, n_anchors:
     _tensor(tensors, ctx, "steps", (mins.dtype,), (groups,))
 
 
-def _check_span(row: dict, tensors: dict, ctx: _Where, seq_len: int, prompt_len: int) -> tuple[int, int]:
-    """The row's real tokens: (start, stop) slots, or null and the slots themselves. Returns (first slot, end)."""
+def _check_span(row: dict, tensors: dict, ctx: _Where, seq_len: int, prompt_len: int) -> int:
+    """The row's real tokens: (start, stop) slots, or null and the slots themselves. Returns the first slot."""
     span = row.get("span", False)
     if span is not None:
         ok = isinstance(span, list) and len(span) == 2 and all(type(v) is int for v in span)
         ok = ok and 0 <= span[0] and span[1] - span[0] == seq_len and span[1] <= prompt_len
         _expect(ok, ctx.field("span"), span, f"null or [start, start + {seq_len}] within the prompt's "
                 f"{prompt_len} slots")
-        return span[0], span[1]
+        return span[0]
     slots = _tensor(tensors, ctx, "slots", (torch.int64,), (seq_len,))
     _check_values(slots, ctx.tensor("slots"), 0, prompt_len - 1, "cache slots")
     _expect(bool((slots[1:] > slots[:-1]).all()), ctx.tensor("slots"), _Text("not increasing"), "increasing slots")
-    return (int(slots[0]), int(slots[-1]) + 1) if seq_len else (0, 0)
+    return int(slots[0]) if seq_len else 0
 
 
 def _check_kv(cache, tensors: dict, ctx: _Where, key_name: str, value_name: str, *, dtype=None, batch=None,
