@@ -109,8 +109,10 @@ def compress_prompt(keys, values, queries, cos, sin, basis, config: VarRateConfi
     if not reconstruct:
         return code, None, None
     with record_function("varrate.reconstruction"):
-        k_hat, v_hat = keys.clone(), values.clone()
-        _reconstruct(code, plan, coded_pos, means, basis, k_hat, v_hat, cos, sin, scales)
+        k_hat, v_hat = torch.empty_like(keys), torch.empty_like(values)  # _reconstruct writes every slot
+        exact = code.exact_pos
+        _reconstruct(code, plan, coded_pos, means, basis, k_hat, v_hat, cos, sin, scales,
+                     (keys[0].index_select(1, exact), values[0].index_select(1, exact)))
     return code, k_hat, v_hat
 
 
@@ -156,7 +158,7 @@ def decode_prompt(code: PromptCode, exact_keys, exact_values, cos, sin, basis, *
         coded = code.coded_pos[plan.order]
         z_anchors = _joint(keys, values, cos, sin, code.anchor_pos, scales)
         means = gather_means(z_anchors, code.neighbours.long()[plan.order])
-        _reconstruct(code, plan, coded, means, basis, keys, values, cos, sin, scales)
+        _reconstruct(code, plan, coded, means, basis, keys, values, cos, sin, scales, (exact_keys[0], exact_values[0]))
     return keys, values
 
 
@@ -172,9 +174,9 @@ def _joint(keys, values, cos, sin, positions, scales):
     return z if scales is None else z.mul_(scales)
 
 
-def _reconstruct(code, plan: RankOrder, coded, means, basis, keys, values, cos, sin, scales=None) -> None:
-    """Write the prompt into keys/values [1, H, S, d]: the coded tokens (rows of `means`, in `plan` order,
-    at positions `coded`) decoded, the exact ones copied from where `keys`/`values` hold them already.
+def _reconstruct(code, plan: RankOrder, coded, means, basis, keys, values, cos, sin, scales, exact_kv) -> None:
+    """Write the whole prompt into keys/values [1, H, S, d]: the coded tokens (rows of `means`, in `plan`
+    order, at positions `coded`) decoded, the exact ones from `exact_kv` (keys, values [H, E, d]).
 
     The decoded rows go to a token-major [S, D] buffer (contiguous row copies); one transposing copy
     per half moves it to the head-major layout, where the keys are re-rotated plane by plane. This
@@ -184,7 +186,6 @@ def _reconstruct(code, plan: RankOrder, coded, means, basis, keys, values, cos, 
         z_hat.div_(scales)
     _, heads, seq_len, dim = keys.shape
     half, exact = heads * dim, code.exact_pos
-    exact_keys, exact_values = keys[0].index_select(1, exact), values[0].index_select(1, exact)  # [H, E, d]
     rows = z_hat.new_empty(seq_len, 2 * half)
     rows.index_copy_(0, coded, z_hat)
     rows.index_fill_(0, exact, 0.0)  # overwritten below; zeros keep stray NaN patterns out of the rotation
@@ -195,8 +196,8 @@ def _reconstruct(code, plan: RankOrder, coded, means, basis, keys, values, cos, 
     if not in_place:
         keys[0].copy_(rotated)
     values[0].copy_(rows[:, half:].view(seq_len, heads, dim).transpose(0, 1))
-    keys[0].index_copy_(1, exact, exact_keys)
-    values[0].index_copy_(1, exact, exact_values)
+    keys[0].index_copy_(1, exact, exact_kv[0])
+    values[0].index_copy_(1, exact, exact_kv[1])
 
 
 def _layout(keys, basis, config: VarRateConfig, layer_share=None) -> tuple[PromptCode, int, int]:
