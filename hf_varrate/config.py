@@ -112,7 +112,6 @@ class VarRateConfig:
                   "the budget; the stride doubles until it does (at most until n_anchors anchors remain). None "
                   "keeps the stride, and a budget too small for the exact set stores the prompt exactly."},
     )
-
     layer_budgets: str = field(
         default="uniform",
         metadata={"help": "'uniform': every layer gets the budget (the paper); 'spectrum': the layers share their "

@@ -40,7 +40,7 @@ def layer_ranks(energies: torch.Tensor, flat: float, floor: int) -> torch.Tensor
 
 
 def budget_scale(energies: torch.Tensor, row: int, flat: float, floor: int) -> float:
-    """Layer `row`'s coefficient budget over the uniform one (the scales of all layers average to at most 1)."""
+    """Layer `row`'s coefficient budget over the uniform one (the scales of all layers average to 1)."""
     ranks = layer_ranks(energies, flat, floor).double()
     total = float(ranks.sum())
     return float(ranks[row]) * ranks.numel() / total if total > 0 else 1.0
