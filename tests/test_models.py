@@ -39,6 +39,7 @@ def test_missing_package_error_names_the_pip_command(monkeypatch, tmp_path):
         gguf_file="x.gguf",
         model_id="nobody/nothing",
         chat_template=False,
+        adds_bos=False,
         install=("hf-varrate-no-such-package==1.0",),
     )
     monkeypatch.setitem(DEFAULT_MODELS, "fake", fake)
@@ -60,10 +61,55 @@ def test_cache_folder_is_keyed_by_package_and_transformers_version(tmp_path):
 # --- conversion is atomic (tiny stand-in for the GGUF load) ----------------------------------
 
 
-def _stub_gguf_load(model):
-    class _Tokenizer:
-        def save_pretrained(self, out):
-            (out / "tokenizer.json").write_text("{}")
+class _StubTokenizer:
+    """Prepends BOS (id 1) while add_bos_token is true; `obeys`: whether setting it changes anything."""
+
+    bos_token_id = 1
+
+    def __init__(self, add_bos_token=False, obeys=True):
+        self._add, self._obeys = add_bos_token, obeys
+
+    @property
+    def add_bos_token(self):
+        return self._add
+
+    @add_bos_token.setter
+    def add_bos_token(self, value):
+        if self._obeys:
+            self._add = value
+
+    def __call__(self, text, add_special_tokens=True):
+        self.text = text
+        return {"input_ids": ([1] if self._add and add_special_tokens else []) + [7] * (len(text) // self.chars)}
+
+    chars = 4  # characters per token; 1: split character by character
+
+    def decode(self, ids):
+        return self.text
+
+    def save_pretrained(self, out):
+        (out / "tokenizer.json").write_text("{}")
+
+
+@pytest.mark.parametrize("name", sorted(DEFAULT_MODELS))
+def test_converted_tokenizer_is_held_to_the_models_bos(name):
+    """transformers 5.2 converts SmolLM2's GGUF tokenizer into one that prepends BOS; its Hub tokenizer doesn't."""
+    info = DEFAULT_MODELS[name]
+    for starts_with_bos in (False, True):
+        tokenizer = models._checked_tokenizer(_StubTokenizer(starts_with_bos), info, "x.gguf")
+        assert (tokenizer("Hello")["input_ids"][0] == 1) == info.adds_bos
+    with pytest.raises(RuntimeError, match=r"add_bos_token=.*convert it once with transformers >= 5.24"):
+        models._checked_tokenizer(_StubTokenizer(not info.adds_bos, obeys=False), info, "x.gguf")
+    by_character = _StubTokenizer(info.adds_bos)
+    by_character.chars = 1
+    with pytest.raises(RuntimeError, match=f"character by character; convert it once with transformers >= 5.24.*"
+                                           f"load_default_model\\('{name}'\\)"):
+        models._checked_tokenizer(by_character, info, "x.gguf")
+
+
+def _stub_gguf_load(model, monkeypatch):
+    _Tokenizer = _StubTokenizer
+    monkeypatch.setattr(models, "_tokenizer_from", lambda folder: _StubTokenizer())
 
     return lambda info, scratch: (model, _Tokenizer())
 
@@ -71,7 +117,7 @@ def _stub_gguf_load(model):
 def test_interrupted_conversion_leaves_no_cache(monkeypatch, tmp_path, tiny_llama):
     info = DEFAULT_MODELS["smollm2-135m-instruct"]
     folder = tmp_path / "smollm2-135m-instruct" / "v-transformers5"
-    monkeypatch.setattr(models, "_load_gguf", _stub_gguf_load(tiny_llama))
+    monkeypatch.setattr(models, "_load_gguf", _stub_gguf_load(tiny_llama, monkeypatch))
 
     def interrupted(info, out):
         raise KeyboardInterrupt
@@ -88,7 +134,7 @@ def test_conversion_replaces_an_incomplete_folder(monkeypatch, tmp_path, tiny_ll
     folder = tmp_path / "smollm2-135m-instruct" / "v-transformers5"
     folder.mkdir(parents=True)
     (folder / "model.safetensors").write_bytes(b"truncated")  # e.g. copied by hand, no marker
-    monkeypatch.setattr(models, "_load_gguf", _stub_gguf_load(tiny_llama))
+    monkeypatch.setattr(models, "_load_gguf", _stub_gguf_load(tiny_llama, monkeypatch))
     monkeypatch.setattr(models, "_package_version", lambda info: "0.0-test")
     models._convert(info, folder)
     assert (folder / models._MARKER).is_file()
