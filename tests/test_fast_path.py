@@ -10,6 +10,7 @@ from hf_varrate.codec import (
     join_kv, joint_rows, nearest_anchors, nearest_anchors_mm, pack, rank_order, rotate_keys, rotate_rows,
     snapkv_scores, unpack, unrotate_keys, unrotate_rows,
 )
+from hf_varrate.codec.projection import matmul_dtype
 
 from test_codec import make_prompt, random_orthonormal, rope_tables
 
@@ -115,7 +116,8 @@ def test_fast_path_matches_the_reference_path(dtype, overrides):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("overrides", [{}, {"coef_bits": 3}, {"coef_bits": 4}])
+@pytest.mark.parametrize("overrides", [{}, {"coef_bits": 3}, {"coef_bits": 4}, {"signal": "uniform"},
+                                       {"signal": "uniform", "coef_bits": 4}])
 def test_materialized_reconstruction_equals_decode_prompt_bit_for_bit(overrides, dtype):
     keys, values, queries, cos, sin = (t.to(dtype) for t in make_prompt(seq_len=500, heads=2, dim=16))
     basis = random_orthonormal(64, 64)
@@ -128,6 +130,52 @@ def test_materialized_reconstruction_equals_decode_prompt_bit_for_bit(overrides,
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: one rounding of the output either way
     torch.testing.assert_close(k_dec, k_ref, rtol=tolerance, atol=tolerance)
     torch.testing.assert_close(v_dec, v_ref, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("overrides", [{"signal": "uniform"}, {"signal": "uniform", "coef_bits": 4}])
+def test_dense_layout_matches_the_rank_blocked_one(overrides, monkeypatch):
+    """Uniform ranks take the dense layout; forcing the blocked one must give the same code and, up to fp32
+    round-off, the same reconstruction."""
+    import hf_varrate.codec.pipeline as pipeline
+
+    keys, values, queries, cos, sin = make_prompt(seq_len=600, heads=2, dim=16)
+    basis = random_orthonormal(64, 64)
+    assert isinstance(pipeline._plan(torch.full((10,), 20), 1), pipeline.DenseOrder)
+    dense = reconstruct("fast", keys, values, queries, cos, sin, basis, **overrides)
+    monkeypatch.setattr(pipeline, "_plan", lambda ranks, group: rank_order(ranks))
+    blocked = reconstruct("fast", keys, values, queries, cos, sin, basis, **overrides)
+    assert torch.equal(dense[0].ranks, blocked[0].ranks) and torch.equal(dense[0].neighbours, blocked[0].neighbours)
+    if "coef_bits" not in overrides:
+        torch.testing.assert_close(dense[0].coefs, blocked[0].coefs, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dense[1], blocked[1], rtol=1e-3, atol=1e-3)  # 4-bit: a rounding may flip a level
+    torch.testing.assert_close(dense[2], blocked[2], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"signal": "uniform", "coef_bits": 4}])
+def test_bf16_projections_stay_within_their_rounding(overrides):
+    """projection_dtype='bfloat16' changes the coded correction by bf16 rounding only: far less than the
+    codec's own error, and the materialized reconstruction still equals decode_prompt bit for bit."""
+    keys, values, queries, cos, sin = make_prompt(seq_len=600, heads=2, dim=16)
+    basis = random_orthonormal(64, 64)
+    fp32 = reconstruct("fast", keys, values, queries, cos, sin, basis, **overrides)
+    bf16 = reconstruct("fast", keys, values, queries, cos, sin, basis, projection_dtype="bfloat16", **overrides)
+    assert torch.equal(fp32[0].ranks, bf16[0].ranks)
+    own_error = (fp32[1] - keys).norm() + (fp32[2] - values).norm()
+    gap = (bf16[1] - fp32[1]).norm() + (bf16[2] - fp32[2]).norm()
+    assert 0 < gap <= 0.05 * own_error
+    exact = bf16[0].exact_pos
+    k_dec, v_dec = decode_prompt(bf16[0], keys[:, :, exact], values[:, :, exact], cos, sin, basis,
+                                 projection_dtype="bfloat16")
+    assert torch.equal(bf16[1], k_dec) and torch.equal(bf16[2], v_dec)
+
+
+def test_projection_dtype_auto_and_reference_refusal():
+    assert matmul_dtype("auto", "cpu") in (torch.float32, torch.bfloat16)
+    assert matmul_dtype("bfloat16", "cpu") == torch.bfloat16 and matmul_dtype("float32", "cpu") == torch.float32
+    with pytest.raises(ValueError, match="projection_dtype must be one of"):
+        VarRateConfig(projection_dtype="float16")
+    with pytest.raises(ValueError, match="implementation='reference' runs the paper's algorithm only, got projection_dtype"):
+        VarRateConfig(implementation="reference", projection_dtype="bfloat16")
 
 
 def test_decode_prompt_writes_into_given_views():

@@ -5,7 +5,9 @@ import torch
 
 from hf_varrate import VarRateConfig
 from hf_varrate.codec import compress_prompt, decode_prompt, encode_prompt
-from hf_varrate.codec.quantization import dequantize, error_bound, pack_bits, quantize, unpack_bits
+from hf_varrate.codec.projection import dense_order, rank_mask
+from hf_varrate.codec.quantization import (dequantize, dequantize_dense, error_bound, pack_bits, quantize, quantize_dense,
+                                           unpack_bits)
 
 from test_codec import make_prompt, random_orthonormal
 
@@ -59,6 +61,40 @@ def test_constant_groups_and_huge_values():
     err = (dequantize(q, ranks) - x).abs()
     assert (err <= error_bound(q, ranks) * (1 + 1e-5) + 1e-3).all()
     assert torch.equal(dequantize(q, ranks)[:40], x[:40])  # a constant group comes back exactly
+
+
+@pytest.mark.parametrize("bits", [3, 4, 8])
+@pytest.mark.parametrize("group", [1, 8, 32])
+@pytest.mark.parametrize("spread", [0, 1, 40])
+def test_dense_quantization_is_bit_identical_to_the_stream_one(bits, group, spread):
+    """The dense layout (nearly equal ranks) must store exactly the stream `quantize` stores, and give back
+    exactly what `dequantize` gives: a cache coded one way is decoded the other way after a reload."""
+    g = torch.Generator().manual_seed(bits * 100 + group + spread)
+    ranks = 70 + torch.randint(0, spread + 1, (200,), generator=g)
+    ranks[:3] = torch.tensor([70, 70 + spread, 64])  # a token ending on a group edge
+    dense = torch.randn(200, -(-int(ranks.max()) // group) * group, generator=g) * 5
+    dense[5, :] = 2.5  # constant groups: step 0
+    dense[7, 40:] = 1e6  # fp16 would overflow: fp32 scales
+    mask = rank_mask(ranks, dense.shape[1])
+    x = dense[mask]
+    expected = quantize(x, ranks, bits, group)
+    for kept in (None, mask.view(-1).nonzero()[:, 0]):
+        got = quantize_dense(dense, mask, bits, group, kept)
+        for name in ("codes", "mins", "steps"):
+            assert torch.equal(getattr(got, name), getattr(expected, name)), name
+        assert got.count == expected.count and got.group == group and got.bits == bits
+    values = dequantize_dense(expected, mask)
+    assert torch.equal(values[mask], dequantize(expected, ranks))
+    assert not values[~mask].any()  # zeros past each rank: the dense decode multiplies them
+
+
+def test_dense_layout_only_where_padding_is_small():
+    assert dense_order(torch.tensor([110, 111, 109]), 32) is not None  # 3 x 128 <= 1.25 x 330
+    assert dense_order(torch.tensor([100, 101, 99]), 32) is None  # 3 x 128 > 1.25 x 300
+    assert dense_order(torch.tensor([16, 16, 300]), 1) is None  # 3 x 300 > 1.25 x 332
+    assert dense_order(torch.zeros(4, dtype=torch.long)) is None
+    plan = dense_order(torch.tensor([60, 63]), 32)
+    assert plan.width == 64 and plan.total == 123 and plan.kept.numel() == 123
 
 
 def test_more_bits_smaller_error_and_more_bytes():

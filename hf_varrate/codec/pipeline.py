@@ -4,7 +4,9 @@ Shapes: keys, values [1, H, S, d] post-RoPE (one sequence, padding already remov
 queries [1, Hq, W, d] post-RoPE; cos, sin [1, S, d]; basis [R, D] fp32.
 
 The fast path works on the coded tokens sorted by decreasing rank (`projection.rank_order`), so
-encode and decode cost about sum(r_t) x D instead of C x R x D; anchor means are row gathers; the
+encode and decode cost about sum(r_t) x D instead of C x R x D; where ranks are nearly equal (uniform
+signal) the coefficients are instead one zero-padded matrix in coded order (`projection.dense_order`),
+coded, quantized and decoded without a sort or a per-block index. Anchor means are row gathers; the
 materialized reconstruction reuses the encoder's anchor means. Each stage runs under a
 `torch.profiler.record_function("varrate.<stage>")` label, which costs nothing without a profiler.
 """
@@ -22,8 +24,9 @@ from .anchors import anchor_positions, exact_mask, gather_means, nearest_anchors
 from .joint import joint_rows
 from .layer_budget import budget_scale
 from .packing import PromptCode, meta_bytes_per_token, smallest_uint
-from .projection import RankOrder, decode_blocks, encode_blocks, rank_order
-from .quantization import SCALE_DTYPE, QuantizedCoefs, dequantize, quantize
+from .projection import (DenseOrder, RankOrder, decode_blocks, decode_dense, dense_coefs, dense_order, encode_blocks,
+                         encode_dense, matmul_dtype, rank_order)
+from .quantization import SCALE_DTYPE, QuantizedCoefs, dequantize, dequantize_dense, quantize, quantize_dense
 from .reference import decode_reference, encode_reference
 from .rope import rotate_heads
 from .salience import coded_salience, minmax, snapkv_scores
@@ -87,8 +90,8 @@ def compress_prompt(keys, values, queries, cos, sin, basis, config: VarRateConfi
     if salience is not None:
         with record_function("varrate.allocation"):
             ranks = allocate(salience, total, floor, rank)  # Eq. 5
-            plan = rank_order(ranks)
-            coded_pos = coded_pos[plan.order]  # coded positions, by decreasing rank
+            plan = _plan(ranks, _group(config))
+            coded_pos = _in_order(coded_pos, plan)  # coded positions, by decreasing rank (RankOrder)
     with record_function("varrate.joint"):
         z_anchors = _joint(keys, values, cos, sin, anchor_pos, scales)  # [A, D] fp32
         z = _joint(keys, values, cos, sin, coded_pos, scales)  # [C, D] fp32
@@ -99,20 +102,23 @@ def compress_prompt(keys, values, queries, cos, sin, basis, config: VarRateConfi
     if plan is None:
         with record_function("varrate.allocation"):
             ranks = allocate(minmax(z.norm(dim=1)), total, floor, rank)  # in coded_pos order
-            plan = rank_order(ranks)
-            coded_pos, z, means, neighbours = (t[plan.order] for t in (coded_pos, z, means, neighbours))
+            plan = _plan(ranks, _group(config))
+            coded_pos, z, means, neighbours = (_in_order(t, plan) for t in (coded_pos, z, means, neighbours))
+    mm_dtype = matmul_dtype(config.projection_dtype, keys.device)
     with record_function("varrate.projection"):
-        packed = encode_blocks(z, basis, plan)  # Eq. 6, truncated per token
         code.ranks = ranks.to(smallest_uint(rank))
         code.neighbours = _unsort(neighbours, plan).to(smallest_uint(anchor_pos.numel() - 1))
-        code.coefs = _store(packed, code.ranks, keys.dtype, config)
+        if isinstance(plan, DenseOrder):
+            code.coefs = _store_dense(encode_dense(z, basis, plan, mm_dtype), plan, keys.dtype, config)
+        else:  # Eq. 6, truncated per token
+            code.coefs = _store(encode_blocks(z, basis, plan, mm_dtype), code.ranks, keys.dtype, config)
     if not reconstruct:
         return code, None, None
     with record_function("varrate.reconstruction"):
         k_hat, v_hat = torch.empty_like(keys), torch.empty_like(values)  # _reconstruct writes every slot
         exact = code.exact_pos
         _reconstruct(code, plan, coded_pos, means, basis, k_hat, v_hat, cos, sin, scales,
-                     (keys[0].index_select(1, exact), values[0].index_select(1, exact)))
+                     (keys[0].index_select(1, exact), values[0].index_select(1, exact)), mm_dtype)
     return code, k_hat, v_hat
 
 
@@ -136,12 +142,12 @@ def effective_stride(config: VarRateConfig, seq_len: int) -> int:
 
 
 def decode_prompt(code: PromptCode, exact_keys, exact_values, cos, sin, basis, *, implementation: str = "fast",
-                  out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  out: tuple[torch.Tensor, torch.Tensor] | None = None, scales: torch.Tensor | None = None,
+                  projection_dtype: str = "float32") -> tuple[torch.Tensor, torch.Tensor]:
     """Reconstruct the full prompt [1, H, S, d] from its code and its exact tokens [1, H, E, d].
     Exact tokens come back bit for bit; coded ones as anchor mean + truncated projection.
     `out` = (keys, values) [1, H, S, d] (views are fine) receives the result instead of new tensors;
-    `basis` and `scales` are those the prompt was compressed with."""
+    `basis`, `scales` and `projection_dtype` are those the prompt was compressed with."""
     _, heads, _, dim = exact_keys.shape
     shape = (1, heads, code.seq_len, dim)
     keys, values = out if out is not None else (exact_keys.new_empty(shape), exact_values.new_empty(shape))
@@ -154,11 +160,12 @@ def decode_prompt(code: PromptCode, exact_keys, exact_values, cos, sin, basis, *
         if implementation == "reference":
             decode_reference(code, coef_values(code), keys, values, cos, sin, basis)
             return keys, values
-        plan = rank_order(code.ranks)
-        coded = code.coded_pos[plan.order]
+        plan = _plan(code.ranks, code.coefs.group if isinstance(code.coefs, QuantizedCoefs) else 1)
+        coded = _in_order(code.coded_pos, plan)
         z_anchors = _joint(keys, values, cos, sin, code.anchor_pos, scales)
-        means = gather_means(z_anchors, code.neighbours.long()[plan.order])
-        _reconstruct(code, plan, coded, means, basis, keys, values, cos, sin, scales, (exact_keys[0], exact_values[0]))
+        means = gather_means(z_anchors, _in_order(code.neighbours.long(), plan))
+        _reconstruct(code, plan, coded, means, basis, keys, values, cos, sin, scales, (exact_keys[0], exact_values[0]),
+                     matmul_dtype(projection_dtype, keys.device))
     return keys, values
 
 
@@ -174,14 +181,20 @@ def _joint(keys, values, cos, sin, positions, scales):
     return z if scales is None else z.mul_(scales)
 
 
-def _reconstruct(code, plan: RankOrder, coded, means, basis, keys, values, cos, sin, scales, exact_kv) -> None:
+def _reconstruct(code, plan: RankOrder | DenseOrder, coded, means, basis, keys, values, cos, sin, scales, exact_kv,
+                 mm_dtype: torch.dtype = torch.float32) -> None:
     """Write the whole prompt into keys/values [1, H, S, d]: the coded tokens (rows of `means`, in `plan`
     order, at positions `coded`) decoded, the exact ones from `exact_kv` (keys, values [H, E, d]).
 
     The decoded rows go to a token-major [S, D] buffer (contiguous row copies); one transposing copy
     per half moves it to the head-major layout, where the keys are re-rotated plane by plane. This
     runs about 2x faster than scattering C rows across H strided head planes."""
-    z_hat = decode_blocks(means, coef_values(code), basis, plan)  # [C, D] fp32
+    if isinstance(plan, DenseOrder):
+        coefs = code.coefs
+        coefs = dequantize_dense(coefs, plan.mask) if isinstance(coefs, QuantizedCoefs) else dense_coefs(coefs, plan)
+        z_hat = decode_dense(means, coefs, basis, plan, mm_dtype)  # [C, D] fp32
+    else:
+        z_hat = decode_blocks(means, coef_values(code), basis, plan, mm_dtype)
     if scales is not None:
         z_hat.div_(scales)
     _, heads, seq_len, dim = keys.shape
@@ -235,7 +248,32 @@ def _store(packed: torch.Tensor, ranks: torch.Tensor, dtype: torch.dtype, config
     return quantize(packed, ranks, config.coef_bits, config.coef_group)
 
 
-def _unsort(rows: torch.Tensor, plan: RankOrder) -> torch.Tensor:
+def _plan(ranks: torch.Tensor, group: int) -> RankOrder | DenseOrder:
+    """How the coded tokens' coefficients are laid out: one dense matrix where ranks are nearly equal,
+    else rank-sorted blocks. A function of the ranks and the quantization group only, so the encoder
+    and every later decode choose the same layout (and reconstruct bit for bit alike)."""
+    return dense_order(ranks, group) or rank_order(ranks)
+
+
+def _group(config: VarRateConfig) -> int:
+    return config.coef_group if config.coef_bits is not None else 1
+
+
+def _in_order(rows: torch.Tensor, plan: RankOrder | DenseOrder) -> torch.Tensor:
+    """rows [C, ...] in coded order, put in the plan's order (by decreasing rank; unchanged when dense)."""
+    return rows if isinstance(plan, DenseOrder) else rows[plan.order]
+
+
+def _store_dense(coefs: torch.Tensor, plan: DenseOrder, dtype: torch.dtype, config: VarRateConfig):
+    """`_store` of dense coefficients [C, width] (the stream is coefs[plan.mask])."""
+    if config.coef_bits is None:
+        return coefs.view(-1).index_select(0, plan.kept).to(dtype)
+    return quantize_dense(coefs, plan.mask, config.coef_bits, config.coef_group, plan.kept)
+
+
+def _unsort(rows: torch.Tensor, plan: RankOrder | DenseOrder) -> torch.Tensor:
+    if isinstance(plan, DenseOrder):
+        return rows
     out = torch.empty_like(rows)
     out[plan.order] = rows
     return out

@@ -7,6 +7,7 @@ ranks [C], packed coefficients [sum(ranks)] (row-major: token 0's leading r_0, t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache, cached_property
 
 import torch
 
@@ -100,19 +101,111 @@ def rank_order(ranks: torch.Tensor, block: int = BLOCK, merge: float = 0.7) -> R
     return RankOrder(order, ranks, starts, blocks, int(ranks.sum()))
 
 
-def encode_blocks(residuals_sorted: torch.Tensor, basis: torch.Tensor, plan: RankOrder) -> torch.Tensor:
-    """Eq. 6, truncated: coefficients of residuals [C, D] (rows in `plan.order`) -> packed [sum(ranks)] fp32."""
+def encode_blocks(residuals_sorted: torch.Tensor, basis: torch.Tensor, plan: RankOrder,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Eq. 6, truncated: coefficients of residuals [C, D] (rows in `plan.order`) -> packed [sum(ranks)] fp32.
+    `dtype`: the matmuls' operand dtype (`matmul_dtype`)."""
     packed = residuals_sorted.new_empty(plan.total + 1)
+    residuals_sorted, basis = residuals_sorted.to(dtype), basis.to(dtype)
     for j0, j1, rows, full in plan.blocks:
         coefs = residuals_sorted[:rows] @ basis[j0:j1].T  # [rows, D] x [D, j1 - j0]
-        packed[plan.index(j0, j1, rows, full).view(-1)] = coefs.view(-1)
+        packed[plan.index(j0, j1, rows, full).view(-1)] = coefs.view(-1).float()
     return packed[: plan.total]
 
 
-def decode_blocks(means_sorted: torch.Tensor, packed: torch.Tensor, basis: torch.Tensor, plan: RankOrder) -> torch.Tensor:
+def decode_blocks(means_sorted: torch.Tensor, packed: torch.Tensor, basis: torch.Tensor, plan: RankOrder,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Eq. 6: z-hat = z-bar + V[:r]^T c[:r], in place on means [C, D] fp32 (rows in `plan.order`)."""
-    stream = torch.cat((packed.float(), packed.new_zeros(1, dtype=torch.float32)))
+    stream = torch.cat((packed.to(dtype), packed.new_zeros(1, dtype=dtype)))
+    basis = basis.to(dtype)
     for j0, j1, rows, full in plan.blocks:
         coefs = stream[plan.index(j0, j1, rows, full)]  # [rows, j1 - j0], zeros past each rank
-        means_sorted[:rows].addmm_(coefs, basis[j0:j1])  # [rows, j1 - j0] x [j1 - j0, D]
+        if dtype == torch.float32:
+            means_sorted[:rows].addmm_(coefs, basis[j0:j1])  # [rows, j1 - j0] x [j1 - j0, D]
+        else:
+            means_sorted[:rows].add_(coefs @ basis[j0:j1])  # the means stay fp32
     return means_sorted
+
+
+# Dense layout: where ranks are nearly equal (uniform signal, the recommended preset), the coded tokens'
+# coefficients fit one zero-padded [C, width] matrix with little waste, so one matmul encodes or decodes
+# them all, with no sort and no per-block index, and group-wise quantization works on [C, K, group] views.
+
+DENSE_SLACK = 1.25  # the dense layout is used while C x width <= DENSE_SLACK x sum(ranks)
+
+
+@dataclass
+class DenseOrder:
+    """Coded tokens in their own order; coefficients as a [C, width] matrix, `mask` [C, width] marking
+    each token's leading r_t entries (width: the largest rank, rounded up to a multiple of `group`)."""
+
+    ranks: torch.Tensor
+    mask: torch.Tensor
+    group: int
+    total: int
+
+    @property
+    def width(self) -> int:
+        return self.mask.shape[1]
+
+    @cached_property
+    def kept(self) -> torch.Tensor:
+        """[sum(ranks)] long: the flat indices of `mask`'s kept entries, in stream order."""
+        return self.mask.view(-1).nonzero()[:, 0]
+
+
+def dense_order(ranks: torch.Tensor, group: int = 1, slack: float = DENSE_SLACK) -> DenseOrder | None:
+    """The `DenseOrder` of ranks [C], or None where padding would exceed `slack` (use `rank_order`)."""
+    ranks = ranks.long()
+    total = int(ranks.sum())
+    if total == 0:
+        return None
+    width = -(-int(ranks.max()) // group) * group
+    if ranks.numel() * width > slack * total:
+        return None
+    return DenseOrder(ranks, rank_mask(ranks, width), group, total)
+
+
+def _padded_basis(basis: torch.Tensor, width: int) -> torch.Tensor:
+    """basis [R, D] cut or zero-padded to `width` rows (width may pass R when rounded up to a group)."""
+    if width <= basis.shape[0]:
+        return basis[:width]
+    return torch.cat((basis, basis.new_zeros(width - basis.shape[0], basis.shape[1])))
+
+
+def encode_dense(residuals: torch.Tensor, basis: torch.Tensor, plan: DenseOrder,
+                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Eq. 6 for residuals [C, D]: [C, width] fp32 coefficients (entries past a token's rank are not zero:
+    `plan.mask` selects the kept ones)."""
+    return (residuals.to(dtype) @ _padded_basis(basis, plan.width).to(dtype).T).float()
+
+
+def dense_coefs(packed: torch.Tensor, plan: DenseOrder) -> torch.Tensor:
+    """The packed stream [sum(ranks)] as [C, width] fp32, zeros past each token's rank."""
+    return packed.new_zeros(plan.mask.shape, dtype=torch.float32).masked_scatter_(plan.mask, packed.float())
+
+
+def decode_dense(means: torch.Tensor, coefs: torch.Tensor, basis: torch.Tensor, plan: DenseOrder,
+                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Eq. 6: z-hat = z-bar + V^T c, in place on means [C, D] fp32; coefs [C, width], zeros past each rank."""
+    basis = _padded_basis(basis, plan.width)
+    if dtype == torch.float32:
+        return means.addmm_(coefs, basis)
+    return means.add_(coefs.to(dtype) @ basis.to(dtype))  # the means stay fp32
+
+
+def matmul_dtype(name: str, device) -> torch.dtype:
+    """`VarRateConfig.projection_dtype` on `device`: 'auto' is bfloat16 where the device multiplies it
+    natively (a CUDA GPU with bf16; a CPU with AMX or AVX-512 BF16, as oneDNN reports), else float32."""
+    if name == "auto":
+        return torch.bfloat16 if _native_bf16(torch.device(device).type) else torch.float32
+    return getattr(torch, name)
+
+
+@cache
+def _native_bf16(device_type: str) -> bool:
+    if device_type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device_type == "cpu":
+        return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return False

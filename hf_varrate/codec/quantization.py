@@ -150,3 +150,44 @@ def _round_up(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Values of `dtype` >= x (x fp32, finite, >= 0)."""
     h = x.to(dtype)
     return torch.where(h.float() < x, torch.nextafter(h, torch.full_like(h, float("inf"))), h)
+
+
+def quantize_dense(coefs: torch.Tensor, mask: torch.Tensor, bits: int, group: int,
+                   kept: torch.Tensor | None = None) -> QuantizedCoefs:
+    """`quantize` of the stream `coefs[mask]`, from its dense layout: coefs [C, K * group] fp32 and mask
+    [C, K * group] (each row's leading r_t entries; `kept`, optional: mask's flat nonzero indices). Bit for
+    bit what `quantize` gives, without expanding per-group values to the stream: views [C, K, group]
+    broadcast them."""
+    if bits not in BITS:
+        raise ValueError(f"coef_bits must be one of {list(BITS)} or None, got {bits!r}")
+    rows, width = mask.shape
+    groups = mask[:, ::group]  # [C, K]: group k of token t exists iff k * group < r_t
+    values = coefs.float().view(rows, -1, group)
+    values = torch.where(mask.view(rows, -1, group), values, values[:, :, :1])  # padding: its group's first value
+    lo, hi = values.amin(dim=2)[groups], values.amax(dim=2)[groups]
+    levels = 2**bits - 1
+    dtype = scale_dtype(lo, hi)
+    mins = _round_down(lo, dtype)
+    steps = _round_up((hi - mins.float()) / levels, dtype)
+    # a zero step (constant group) divides by inf instead: q = 0 there, as `quantize` sets it
+    inverse_free = steps.float().masked_fill(steps == 0, float("inf"))
+    q = values.sub_(_grid(groups, mins)).div_(_grid(groups, inverse_free)).round_().clamp_(0, levels)
+    q = q.to(torch.uint8).view(-1)
+    q = q.index_select(0, kept) if kept is not None else q.masked_select(mask.view(-1))
+    return QuantizedCoefs(pack_bits(q, bits), mins, steps, bits, group, q.numel())
+
+
+def dequantize_dense(coefs: QuantizedCoefs, mask: torch.Tensor) -> torch.Tensor:
+    """`dequantize` laid out dense: [C, K * group] fp32, zeros past each row's rank (see `quantize_dense`)."""
+    rows, width = mask.shape
+    groups = mask[:, :: coefs.group]
+    q = unpack_bits(coefs.codes, coefs.bits, coefs.count)
+    dense = q.new_zeros(rows, width).masked_scatter_(mask, q)
+    out = dense.float().view(rows, -1, coefs.group).mul_(_grid(groups, coefs.steps)).add_(_grid(groups, coefs.mins))
+    return out.view(rows, width).masked_fill_(~mask, 0.0)
+
+
+def _grid(groups: torch.Tensor, per_group: torch.Tensor) -> torch.Tensor:
+    """Per-group values [G] (stream order) on the [C, K, 1] grid of `groups` (0 where a group is absent)."""
+    grid = per_group.new_zeros(groups.shape, dtype=torch.float32).masked_scatter_(groups, per_group.float())
+    return grid[..., None]
