@@ -17,7 +17,8 @@ import torch
 from transformers import DynamicCache
 
 import common
-from hf_varrate import VarRateCache
+from hf_varrate import VarRateCache, VarRateConfig
+from hf_varrate.config import PRESETS
 
 
 def decode(model, cache, first: torch.Tensor, new: int) -> tuple[list[float], list[int]]:
@@ -33,15 +34,16 @@ def decode(model, cache, first: torch.Tensor, new: int) -> tuple[list[float], li
     return steps, tokens
 
 
-def build_caches(model, bases, captured, budget: float, configs: list[str]) -> dict:
+def build_caches(model, bases, captured, budget: float, configs: list[str], preset: str = "paper") -> dict:
     caches = {}
     for name in configs:
         if name == "full":
             cache = DynamicCache(config=model.config)
         else:
             storage, _, bits = name.partition("-")
-            cache = VarRateCache(bases, model=model, budget=budget, storage=storage,
-                                 coef_bits=int(bits.removesuffix("bit")) if bits else None)
+            options = {"coef_bits": int(bits.removesuffix("bit"))} if bits else {}
+            config = VarRateConfig.preset(preset, budget=budget, storage=storage, **options)
+            cache = VarRateCache(bases, config, model=model)
         common.replay_into(cache, captured)
         caches[name] = cache
     return caches
@@ -57,6 +59,8 @@ def main(argv=None):
     parser.add_argument("--budget", type=float, default=0.2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--configs", default="full,materialized,compact")
+    parser.add_argument("--preset", choices=PRESETS, default="paper",
+                        help="the VarRate configs' preset ('recommended': from_pretrained's default)")
     parser.add_argument("--out", default="decode")
     args = parser.parse_args(argv)
     common.set_threads(args.threads)
@@ -67,7 +71,7 @@ def main(argv=None):
     common.log(f"capturing a {args.length}-token prefill of {args.model} {args.dtype}")
     captured, _ = common.capture_prefill(model, ids)
     configs = args.configs.split(",")
-    caches = build_caches(model, bases, captured, args.budget, configs)
+    caches = build_caches(model, bases, captured, args.budget, configs, args.preset)
     first = ids[:, -1:]
     decode(model, copy.deepcopy(caches["full"]), first, 2)  # warm-up
     steps = {name: [] for name in configs}
@@ -93,7 +97,7 @@ def main(argv=None):
         rate = result["tokens_per_second"][name]
         rows.append([name, rate["median"], rate["median"] / base, rate["spread"],
                      footprints[name]["held"] / 2**20, footprints[name]["held"] / footprints["full"]["held"]])
-    md = (f"## Decode at {args.length} tokens, {args.model} {args.dtype}, budget {args.budget}, "
+    md = (f"## Decode at {args.length} tokens, {args.model} {args.dtype}, preset {args.preset!r}, budget {args.budget}, "
           f"{args.threads} thread(s)\n\n"
           + common.table(["cache", "tok/s (median)", "vs full", "spread (max-min)/median", "K/V held MiB",
                           "held vs full"], rows)

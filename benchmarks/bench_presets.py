@@ -28,6 +28,8 @@ VARIANTS = {
     "layer_budgets spectrum": {"layer_budgets": "spectrum"},
     "recommended": {"preset": "recommended"},
     "recommended + layer_budgets spectrum": {"preset": "recommended", "layer_budgets": "spectrum"},
+    "recommended, fp32 projections": {"preset": "recommended", "projection_dtype": "float32"},
+    "recommended, bf16 projections": {"preset": "recommended", "projection_dtype": "bfloat16"},
 }
 
 

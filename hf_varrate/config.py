@@ -20,6 +20,7 @@ QUANTIZED_BUDGETS = ("same_ranks", "same_bytes")
 BALANCES = ("none", "rms")
 BUDGET_DTYPES = (None, "float16", "bfloat16", "float32")
 LAYER_BUDGETS = ("uniform", "spectrum")
+PROJECTION_DTYPES = ("float32", "bfloat16", "auto")
 PRESETS = ("paper", "recommended")
 
 
@@ -93,6 +94,14 @@ class VarRateConfig:
                   "deployment would be sized: same ranks, so quantized coefficients are not flattered. Never wider than "
                   "the K/V's dtype (the cache would exceed its budget)."},
     )
+    projection_dtype: str = field(
+        default="float32",
+        metadata={"help": "dtype of the projection matmuls (encode c = V e, decode V^T c): 'float32' (the paper); "
+                  "'bfloat16' (fp32 accumulation and fp32 anchor means: the coefficients and the decoded "
+                  "correction carry bf16 rounding, ~0.4%; 3-5x faster matmuls on GPUs and on CPUs with AMX or "
+                  "AVX-512 BF16, slower elsewhere); 'auto': bfloat16 where the device multiplies it natively, else "
+                  "float32. Distances and salience are always fp32."},
+    )
     # beyond the paper (issue #8); every one is off in the paper's defaults
     balance: str = field(
         default="none",
@@ -150,12 +159,14 @@ class VarRateConfig:
         _check_choice("budget_dtype", self.budget_dtype, BUDGET_DTYPES)
         _check_choice("balance", self.balance, BALANCES)
         _check_choice("layer_budgets", self.layer_budgets, LAYER_BUDGETS)
+        _check_choice("projection_dtype", self.projection_dtype, PROJECTION_DTYPES)
         _check_range("flat_floor", self.flat_floor, 0.0, 1.0, fix="use e.g. flat_floor=0.5 (half the flat rank)")
         if self.anchor_share is not None:
             _check_range("anchor_share", self.anchor_share, 0.0, 1.0, low_open=True,
                          fix="use e.g. anchor_share=0.25, or None to keep the stride")
         beyond = {"balance": self.balance != "none", "signal": self.signal in ("key_norm", "residual"),
-                  "layer_budgets": self.layer_budgets != "uniform"}
+                  "layer_budgets": self.layer_budgets != "uniform",
+                  "projection_dtype": self.projection_dtype != "float32"}
         if self.implementation == "reference" and any(beyond.values()):
             name = next(k for k, v in beyond.items() if v)
             raise ValueError(f"implementation='reference' runs the paper's algorithm only, got {name}="
@@ -165,8 +176,9 @@ class VarRateConfig:
     def preset(cls, name: str, **overrides) -> VarRateConfig:
         """A named set of defaults: 'paper' (Section 4.1, for reproduction: every option of issue #8 off) or
         'recommended' (issue #8's options chosen on a development split; see the README's ablation): 4-bit
-        coefficients at the same bytes, anchors held to a quarter of the budget, key/value balance, and
-        uniform ranks (under reuse no salience signal we tried beat them)."""
+        coefficients at the same bytes, anchors held to a quarter of the budget, key/value balance,
+        uniform ranks (under reuse no salience signal we tried beat them), and bf16 projection matmuls where
+        the device multiplies bf16 natively."""
         _check_choice("preset", name, PRESETS)
         base = {} if name == "paper" else dict(RECOMMENDED_PRESET)
         return cls(**{**base, **overrides})
@@ -195,8 +207,10 @@ class VarRateConfig:
 # Chosen on the development split of the issue #8 ablation (evaluation/configs/beyond_dev.yaml: SmolLM2
 # needles at 2K, 24 examples, budget 0.2, query-agnostic): the highest pooled score, 21/24 (full cache:
 # 20/24; the paper's defaults: 0/24). Confirmed on a held-out split: see the README.
+# projection_dtype 'auto' joined later (issue #6): bf16 matmuls where the device has them natively; the held-out
+# reconstruction error is the same to three decimals (benchmarks/results/presets_smollm2-135m-instruct.md).
 RECOMMENDED_PRESET = {"coef_bits": 4, "quantized_budget": "same_bytes", "anchor_share": 0.25, "balance": "rms",
-                      "signal": "uniform"}
+                      "signal": "uniform", "projection_dtype": "auto"}
 
 
 def _check_range(name, value, low, high, *, low_open=False, fix=""):

@@ -228,10 +228,10 @@ class VarRateLayer(DynamicLayer):
             args = (code, code.exact_keys, code.exact_values, cos, sin, basis)
             if isinstance(span, tuple) and span[1] <= kept:
                 start, stop = span
-                decode_prompt(*args, scales=scales,
+                decode_prompt(*args, scales=scales, projection_dtype=self.config.projection_dtype,
                               out=(keys[b : b + 1, :, start:stop], values[b : b + 1, :, start:stop]))
                 continue
-            k_hat, v_hat = decode_prompt(*args, scales=scales)
+            k_hat, v_hat = decode_prompt(*args, scales=scales, projection_dtype=self.config.projection_dtype)
             slots = _slots(span, self.keys.device)
             keep = slots < kept
             keys[b, :, slots[keep]] = k_hat[0][:, keep]

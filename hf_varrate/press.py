@@ -111,7 +111,7 @@ class VarRatePress:
                                      scales=scales, layer_share=share)
                 if not code.stored_exactly:
                     k_hat, v_hat = decode_prompt(code, k[:, :, code.exact_pos], v[:, :, code.exact_pos], cos_b, sin_b,
-                                                 basis, scales=scales)
+                                                 basis, scales=scales, projection_dtype=self.config.projection_dtype)
                     out_k[rows], out_v[rows] = k_hat, v_hat
                 elif self.config.budget < 1.0:
                     warnings.warn(f"layer {module.layer_idx}: budget={self.config.budget} cannot cover the exact set "
