@@ -28,9 +28,12 @@ def prefill_rows(data) -> list[list]:
 
 def main():
     rows = []
-    prefill = load("prefill")
-    if prefill:
-        rows += prefill_rows(prefill)
+    for name, label in (("prefill", ""), ("prefill_recommended", "recommended preset, "),
+                        ("prefill_recommended_before", "recommended preset, code of bac70c9 (before), ")):
+        prefill = load(name)
+        if prefill:
+            rows += [[row[0].replace("prefill overhead, ", f"prefill overhead, {label}"), *row[1:]]
+                     for row in prefill_rows(prefill)]
     versions = load("versions")
     if versions:
         for name in ("before", "after"):
@@ -38,12 +41,14 @@ def main():
             text = ", ".join(f"{100 * r['overhead']:.1f}%" for r in items)
             rows.append([f"prefill overhead {name} ({versions['args']['before'] if name == 'before' else 'now'}), "
                          f"{versions['args']['model']} fp32 {versions['args']['length']}", text])
-    decode = load("decode")
-    if decode:
-        rates = decode["tokens_per_second"]
-        full = rates["full"]["median"]
-        text = ", ".join(f"{name} {r['median']:.2f} ({r['median'] / full:.2f}x)" for name, r in rates.items())
-        rows.append([f"decode tok/s at {decode['args']['length']} (vs full)", text])
+    for name in ("decode", "decode_recommended"):
+        decode = load(name)
+        if decode:
+            rates = decode["tokens_per_second"]
+            full = rates["full"]["median"]
+            text = ", ".join(f"{name} {r['median']:.2f} ({r['median'] / full:.2f}x)" for name, r in rates.items())
+            preset = decode["args"].get("preset", "paper")
+            rows.append([f"decode tok/s at {decode['args']['length']} (vs full), preset {preset}", text])
     memory = load("memory")
     if memory:
         for r in memory["results"]:
