@@ -1,5 +1,7 @@
 """Tier (a): group-wise quantized coefficients (paper Section 3.3 "Composability", Appendix A.4)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -65,27 +67,32 @@ def test_constant_groups_and_huge_values():
 
 @pytest.mark.parametrize("bits", [3, 4, 8])
 @pytest.mark.parametrize("group", [1, 8, 32])
-@pytest.mark.parametrize("spread", [0, 1, 40])
-def test_dense_quantization_is_bit_identical_to_the_stream_one(bits, group, spread):
-    """The dense layout (nearly equal ranks) must store exactly the stream `quantize` stores, and give back
-    exactly what `dequantize` gives: a cache coded one way is decoded the other way after a reload."""
-    g = torch.Generator().manual_seed(bits * 100 + group + spread)
-    ranks = 70 + torch.randint(0, spread + 1, (200,), generator=g)
-    ranks[:3] = torch.tensor([70, 70 + spread, 64])  # a token ending on a group edge
-    dense = torch.randn(200, -(-int(ranks.max()) // group) * group, generator=g) * 5
+@pytest.mark.parametrize("ranks", ["runs", "two_values", "spread"])
+def test_dense_quantization_is_bit_identical_to_the_stream_one(bits, group, ranks):
+    """The dense layout must store exactly the stream `quantize` stores, and give back exactly what
+    `dequantize` gives (a cache coded one way is decoded the other way after a reload), whether it
+    converts by runs of equal ranks (slices) or by the mask."""
+    g = torch.Generator().manual_seed(bits * 100 + group)
+    ranks = {"runs": torch.tensor([71] * 60 + [70] * 140),  # uniform ranks: the remainder on the first tokens
+             "two_values": 70 + torch.randint(0, 2, (200,), generator=g),
+             "spread": 64 + torch.randint(0, 41, (200,), generator=g)}[ranks]
+    plan = dense_order(ranks, group, slack=10.0)
+    dense = torch.randn(200, plan.width, generator=g) * 5
     dense[5, :] = 2.5  # constant groups: step 0
     dense[7, 40:] = 1e6  # fp16 would overflow: fp32 scales
-    mask = rank_mask(ranks, dense.shape[1])
-    x = dense[mask]
+    x = dense[rank_mask(ranks, plan.width)]
     expected = quantize(x, ranks, bits, group)
-    for kept in (None, mask.view(-1).nonzero()[:, 0]):
-        got = quantize_dense(dense, mask, bits, group, kept)
+    layouts = [plan] + ([dataclasses.replace(plan, runs=None)] if plan.runs is not None else [])
+    assert (plan.runs is not None) == (ranks.unique_consecutive().numel() <= 8)
+    for layout in layouts:
+        got = quantize_dense(dense.clone(), layout, bits)
         for name in ("codes", "mins", "steps"):
             assert torch.equal(getattr(got, name), getattr(expected, name)), name
         assert got.count == expected.count and got.group == group and got.bits == bits
-    values = dequantize_dense(expected, mask)
-    assert torch.equal(values[mask], dequantize(expected, ranks))
-    assert not values[~mask].any()  # zeros past each rank: the dense decode multiplies them
+        values = dequantize_dense(expected, layout)
+        assert torch.equal(values[layout.mask], dequantize(expected, ranks))
+        assert not values[~layout.mask].any()  # zeros past each rank: the dense decode multiplies them
+        assert torch.equal(layout.to_stream(dense), x) and torch.equal(layout.from_stream(x)[layout.mask], x)
 
 
 def test_dense_layout_only_where_padding_is_small():
@@ -93,8 +100,9 @@ def test_dense_layout_only_where_padding_is_small():
     assert dense_order(torch.tensor([100, 101, 99]), 32) is None  # 3 x 128 > 1.25 x 300
     assert dense_order(torch.tensor([16, 16, 300]), 1) is None  # 3 x 300 > 1.25 x 332
     assert dense_order(torch.zeros(4, dtype=torch.long)) is None
-    plan = dense_order(torch.tensor([60, 63]), 32)
-    assert plan.width == 64 and plan.total == 123 and plan.kept.numel() == 123
+    plan = dense_order(torch.tensor([63, 63, 60, 60, 60]), 32)
+    assert plan.width == 64 and plan.total == 306 and plan.kept.numel() == 306
+    assert plan.runs == [(0, 2, 63), (2, 5, 60)]
 
 
 def test_more_bits_smaller_error_and_more_bytes():

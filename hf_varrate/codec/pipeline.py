@@ -191,7 +191,7 @@ def _reconstruct(code, plan: RankOrder | DenseOrder, coded, means, basis, keys, 
     runs about 2x faster than scattering C rows across H strided head planes."""
     if isinstance(plan, DenseOrder):
         coefs = code.coefs
-        coefs = dequantize_dense(coefs, plan.mask) if isinstance(coefs, QuantizedCoefs) else dense_coefs(coefs, plan)
+        coefs = dequantize_dense(coefs, plan) if isinstance(coefs, QuantizedCoefs) else dense_coefs(coefs, plan)
         z_hat = decode_dense(means, coefs, basis, plan, mm_dtype)  # [C, D] fp32
     else:
         z_hat = decode_blocks(means, coef_values(code), basis, plan, mm_dtype)
@@ -265,10 +265,10 @@ def _in_order(rows: torch.Tensor, plan: RankOrder | DenseOrder) -> torch.Tensor:
 
 
 def _store_dense(coefs: torch.Tensor, plan: DenseOrder, dtype: torch.dtype, config: VarRateConfig):
-    """`_store` of dense coefficients [C, width] (the stream is coefs[plan.mask])."""
+    """`_store` of dense coefficients [C, width] (overwritten; the stream is plan.to_stream(coefs))."""
     if config.coef_bits is None:
-        return coefs.view(-1).index_select(0, plan.kept).to(dtype)
-    return quantize_dense(coefs, plan.mask, config.coef_bits, config.coef_group, plan.kept)
+        return plan.to_stream(coefs).to(dtype)
+    return quantize_dense(coefs, plan, config.coef_bits)
 
 
 def _unsort(rows: torch.Tensor, plan: RankOrder | DenseOrder) -> torch.Tensor:

@@ -134,24 +134,79 @@ def decode_blocks(means_sorted: torch.Tensor, packed: torch.Tensor, basis: torch
 DENSE_SLACK = 1.25  # the dense layout is used while C x width <= DENSE_SLACK x sum(ranks)
 
 
+MAX_RUNS = 8  # ranks constant over at most this many runs of coded order: slices instead of masks
+
+
 @dataclass
 class DenseOrder:
-    """Coded tokens in their own order; coefficients as a [C, width] matrix, `mask` [C, width] marking
-    each token's leading r_t entries (width: the largest rank, rounded up to a multiple of `group`)."""
+    """Coded tokens in their own order; coefficients as a [C, width] matrix whose row t holds token t's
+    r_t coefficients then padding (width: the largest rank, rounded up to a multiple of `group`).
+
+    `runs` [(first, stop, rank)] when the ranks are constant over a few runs of tokens (uniform ranks:
+    the water-fill's remainder goes to the first tokens, so two runs): the stream is then a few
+    row-major blocks, and every conversion is a slice. Otherwise (None) they go through `mask`.
+    """
 
     ranks: torch.Tensor
-    mask: torch.Tensor
+    width: int
     group: int
     total: int
+    runs: list[tuple[int, int, int]] | None
 
-    @property
-    def width(self) -> int:
-        return self.mask.shape[1]
+    @cached_property
+    def mask(self) -> torch.Tensor:
+        """[C, width] bool: each row's leading r_t entries."""
+        return rank_mask(self.ranks, self.width)
 
     @cached_property
     def kept(self) -> torch.Tensor:
         """[sum(ranks)] long: the flat indices of `mask`'s kept entries, in stream order."""
         return self.mask.view(-1).nonzero()[:, 0]
+
+    @property
+    def groups(self) -> torch.Tensor:
+        """[C, width / group] bool: group k of token t exists iff k * group < r_t."""
+        counts = (self.ranks + self.group - 1) // self.group
+        return torch.arange(self.width // self.group, device=self.ranks.device)[None, :] < counts[:, None]
+
+    def to_stream(self, dense: torch.Tensor) -> torch.Tensor:
+        """dense [C, width] -> the packed stream [sum(ranks)] (a new tensor)."""
+        if self.runs is None:
+            return dense.reshape(-1).index_select(0, self.kept)
+        return torch.cat([dense[first:stop, :rank].reshape(-1) for first, stop, rank in self.runs])
+
+    def from_stream(self, stream: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The packed stream [sum(ranks)] -> [C, width] (in `dtype`), zeros past each rank."""
+        dense = stream.new_zeros((self.ranks.numel(), self.width), dtype=dtype)
+        if self.runs is None:
+            return dense.masked_scatter_(self.mask, stream.to(dense.dtype))
+        offset = 0
+        for first, stop, rank in self.runs:
+            size = (stop - first) * rank
+            dense[first:stop, :rank] = stream[offset : offset + size].view(stop - first, rank)
+            offset += size
+        return dense
+
+    def zero_padding_(self, dense: torch.Tensor) -> torch.Tensor:
+        """Zero every entry past its row's rank, in place."""
+        if self.runs is None:
+            return dense.masked_fill_(~self.mask, 0)
+        for first, stop, rank in self.runs:
+            dense[first:stop, rank:] = 0
+        return dense
+
+    def fill_padding_(self, dense: torch.Tensor) -> torch.Tensor:
+        """Set the padding of each token's last (partial) group to that group's first value, in place: a
+        value the group holds, so group minima and maxima ignore the padding. Absent groups keep theirs."""
+        if self.runs is None:
+            grouped = dense.view(dense.shape[0], -1, self.group)
+            return dense.copy_(torch.where(self.mask.view_as(grouped), grouped, grouped[:, :, :1]).view_as(dense))
+        for first, stop, rank in self.runs:
+            start = rank // self.group * self.group
+            if rank % self.group:
+                end = start + self.group
+                dense[first:stop, rank:end] = dense[first:stop, start : start + 1]
+        return dense
 
 
 def dense_order(ranks: torch.Tensor, group: int = 1, slack: float = DENSE_SLACK) -> DenseOrder | None:
@@ -163,7 +218,13 @@ def dense_order(ranks: torch.Tensor, group: int = 1, slack: float = DENSE_SLACK)
     width = -(-int(ranks.max()) // group) * group
     if ranks.numel() * width > slack * total:
         return None
-    return DenseOrder(ranks, rank_mask(ranks, width), group, total)
+    edges = (ranks[1:] != ranks[:-1]).nonzero()[:, 0] + 1
+    runs = None
+    if edges.numel() < MAX_RUNS:
+        bounds = [0, *edges.tolist(), ranks.numel()]
+        values = ranks[bounds[:-1]].tolist()
+        runs = [(first, stop, rank) for first, stop, rank in zip(bounds, bounds[1:], values)]
+    return DenseOrder(ranks, width, group, total, runs)
 
 
 def _padded_basis(basis: torch.Tensor, width: int) -> torch.Tensor:
@@ -176,13 +237,13 @@ def _padded_basis(basis: torch.Tensor, width: int) -> torch.Tensor:
 def encode_dense(residuals: torch.Tensor, basis: torch.Tensor, plan: DenseOrder,
                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Eq. 6 for residuals [C, D]: [C, width] fp32 coefficients (entries past a token's rank are not zero:
-    `plan.mask` selects the kept ones)."""
+    `plan.to_stream` keeps the stored ones)."""
     return (residuals.to(dtype) @ _padded_basis(basis, plan.width).to(dtype).T).float()
 
 
 def dense_coefs(packed: torch.Tensor, plan: DenseOrder) -> torch.Tensor:
     """The packed stream [sum(ranks)] as [C, width] fp32, zeros past each token's rank."""
-    return packed.new_zeros(plan.mask.shape, dtype=torch.float32).masked_scatter_(plan.mask, packed.float())
+    return plan.from_stream(packed, torch.float32)
 
 
 def decode_dense(means: torch.Tensor, coefs: torch.Tensor, basis: torch.Tensor, plan: DenseOrder,

@@ -11,8 +11,12 @@ Shapes: packed stream x [N] (N = sum of ranks, token after token), ranks [C], gr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .projection import DenseOrder
 
 BITS = (3, 4, 8)
 SCALE_DTYPE = torch.float16
@@ -152,18 +156,15 @@ def _round_up(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(h.float() < x, torch.nextafter(h, torch.full_like(h, float("inf"))), h)
 
 
-def quantize_dense(coefs: torch.Tensor, mask: torch.Tensor, bits: int, group: int,
-                   kept: torch.Tensor | None = None) -> QuantizedCoefs:
-    """`quantize` of the stream `coefs[mask]`, from its dense layout: coefs [C, K * group] fp32 and mask
-    [C, K * group] (each row's leading r_t entries; `kept`, optional: mask's flat nonzero indices). Bit for
-    bit what `quantize` gives, without expanding per-group values to the stream: views [C, K, group]
-    broadcast them."""
+def quantize_dense(coefs: torch.Tensor, layout: DenseOrder, bits: int) -> QuantizedCoefs:
+    """`quantize` of the stream `layout.to_stream(coefs)` from its dense layout coefs [C, K * group] fp32
+    (`projection.DenseOrder`; overwritten). Bit for bit what `quantize` gives, without expanding
+    per-group values to the stream: views [C, K, group] broadcast them."""
     if bits not in BITS:
         raise ValueError(f"coef_bits must be one of {list(BITS)} or None, got {bits!r}")
-    rows, width = mask.shape
-    groups = mask[:, ::group]  # [C, K]: group k of token t exists iff k * group < r_t
-    values = coefs.float().view(rows, -1, group)
-    values = torch.where(mask.view(rows, -1, group), values, values[:, :, :1])  # padding: its group's first value
+    rows, group = coefs.shape[0], layout.group
+    groups = layout.groups  # [C, K]
+    values = layout.fill_padding_(coefs.float()).view(rows, -1, group)  # padding takes a value of its group
     lo, hi = values.amin(dim=2)[groups], values.amax(dim=2)[groups]
     levels = 2**bits - 1
     dtype = scale_dtype(lo, hi)
@@ -172,19 +173,17 @@ def quantize_dense(coefs: torch.Tensor, mask: torch.Tensor, bits: int, group: in
     # a zero step (constant group) divides by inf instead: q = 0 there, as `quantize` sets it
     inverse_free = steps.float().masked_fill(steps == 0, float("inf"))
     q = values.sub_(_grid(groups, mins)).div_(_grid(groups, inverse_free)).round_().clamp_(0, levels)
-    q = q.to(torch.uint8).view(-1)
-    q = q.index_select(0, kept) if kept is not None else q.masked_select(mask.view(-1))
+    q = layout.to_stream(q.to(torch.uint8).view(rows, -1))
     return QuantizedCoefs(pack_bits(q, bits), mins, steps, bits, group, q.numel())
 
 
-def dequantize_dense(coefs: QuantizedCoefs, mask: torch.Tensor) -> torch.Tensor:
+def dequantize_dense(coefs: QuantizedCoefs, layout: DenseOrder) -> torch.Tensor:
     """`dequantize` laid out dense: [C, K * group] fp32, zeros past each row's rank (see `quantize_dense`)."""
-    rows, width = mask.shape
-    groups = mask[:, :: coefs.group]
-    q = unpack_bits(coefs.codes, coefs.bits, coefs.count)
-    dense = q.new_zeros(rows, width).masked_scatter_(mask, q)
-    out = dense.float().view(rows, -1, coefs.group).mul_(_grid(groups, coefs.steps)).add_(_grid(groups, coefs.mins))
-    return out.view(rows, width).masked_fill_(~mask, 0.0)
+    groups = layout.groups
+    dense = layout.from_stream(unpack_bits(coefs.codes, coefs.bits, coefs.count))
+    out = dense.float().view(dense.shape[0], -1, coefs.group)
+    out = out.mul_(_grid(groups, coefs.steps)).add_(_grid(groups, coefs.mins)).view_as(dense)
+    return layout.zero_padding_(out)
 
 
 def _grid(groups: torch.Tensor, per_group: torch.Tensor) -> torch.Tensor:
