@@ -132,8 +132,6 @@ def decode_blocks(means_sorted: torch.Tensor, packed: torch.Tensor, basis: torch
 # them all, with no sort and no per-block index, and group-wise quantization works on [C, K, group] views.
 
 DENSE_SLACK = 1.25  # the dense layout is used while C x width <= DENSE_SLACK x sum(ranks)
-
-
 MAX_RUNS = 8  # ranks constant over at most this many runs of coded order: slices instead of masks
 
 

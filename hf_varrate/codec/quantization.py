@@ -170,9 +170,9 @@ def quantize_dense(coefs: torch.Tensor, layout: DenseOrder, bits: int) -> Quanti
     dtype = scale_dtype(lo, hi)
     mins = _round_down(lo, dtype)
     steps = _round_up((hi - mins.float()) / levels, dtype)
-    # a zero step (constant group) divides by inf instead: q = 0 there, as `quantize` sets it
-    inverse_free = steps.float().masked_fill(steps == 0, float("inf"))
-    q = values.sub_(_grid(groups, mins)).div_(_grid(groups, inverse_free)).round_().clamp_(0, levels)
+    # a zero step (a constant group) divides by inf instead, which gives the q = 0 `quantize` sets there
+    divisors = steps.float().masked_fill(steps == 0, float("inf"))
+    q = values.sub_(_grid(groups, mins)).div_(_grid(groups, divisors)).round_().clamp_(0, levels)
     q = layout.to_stream(q.to(torch.uint8).view(rows, -1))
     return QuantizedCoefs(pack_bits(q, bits), mins, steps, bits, group, q.numel())
 
