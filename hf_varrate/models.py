@@ -165,7 +165,7 @@ def _convert(info: DefaultModel, folder: Path) -> None:
         out = tmp / "model"
         _save_plain(model, out)
         tokenizer.save_pretrained(out)
-        _checked_tokenizer(_tokenizer_from(out), info, info.gguf_file)  # what every load will read: refuse before publishing
+        _checked_tokenizer(_tokenizer_from(out), info, info.gguf_file)  # what loads will read: refuse to publish it
         _write_marker(info, out)
         _publish(out, folder)
     finally:
@@ -184,7 +184,7 @@ def _tokenizer_from(folder: Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(folder)
 
 
-_SAMPLE = "The quick brown fox jumps over the lazy dog near the riverbank."  # 64 characters
+_SAMPLE = "The quick brown fox jumps over the lazy dog near the riverbank."  # 63 characters
 
 
 def _checked_tokenizer(tokenizer: PreTrainedTokenizerBase, info: DefaultModel, source) -> PreTrainedTokenizerBase:
@@ -202,8 +202,8 @@ def _checked_tokenizer(tokenizer: PreTrainedTokenizerBase, info: DefaultModel, s
     pieces = len(_plain(tokenizer, _SAMPLE))
     if pieces > len(_SAMPLE) // 2:
         raise RuntimeError(
-            f"the tokenizer from {source} splits a {len(_SAMPLE)}-character sentence into {pieces} tokens: transformers "
-            f"{transformers.__version__} converts this GGUF tokenizer character by character; {_redo(source, info)}"
+            f"the tokenizer from {source} splits a {len(_SAMPLE)}-character sentence into {pieces} tokens: "
+            f"transformers {transformers.__version__} converts this GGUF tokenizer character by character; {_redo(source, info)}"
         )
     return tokenizer
 

@@ -174,7 +174,7 @@ def test_projection_dtype_auto_and_reference_refusal():
     assert matmul_dtype("bfloat16", "cpu") == torch.bfloat16 and matmul_dtype("float32", "cpu") == torch.float32
     with pytest.raises(ValueError, match="projection_dtype must be one of"):
         VarRateConfig(projection_dtype="float16")
-    with pytest.raises(ValueError, match="implementation='reference' runs the paper's algorithm only, got projection_dtype"):
+    with pytest.raises(ValueError, match="'reference' runs the paper's algorithm only, got projection_dtype"):
         VarRateConfig(implementation="reference", projection_dtype="bfloat16")
 
 
