@@ -20,7 +20,8 @@ def make(model, storage, **overrides):
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3", "tiny_gemma3"])
-@pytest.mark.parametrize("overrides", [{}, {"coef_bits": 3}])
+@pytest.mark.parametrize("overrides", [{}, {"coef_bits": 3},
+                                       {"signal": "uniform", "coef_bits": 4, "projection_dtype": "bfloat16"}])
 def test_compact_and_materialized_generate_the_same_tokens(fixture, overrides, request):
     model = request.getfixturevalue(fixture)
     ids = prompt(model, 300)
