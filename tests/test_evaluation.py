@@ -301,3 +301,42 @@ def test_smoke_config_runs_end_to_end(tmp_path):
     for name in ("summary.md", "summary.csv", "comparisons.csv", "run_info.json"):
         assert (tmp_path / name).stat().st_size > 0
     assert len(list((tmp_path / "plots").glob("*.png"))) >= 4
+
+
+def test_a_tail_is_fed_token_by_token_where_pruned_layers_disagree_on_the_length(tiny_llama, monkeypatch):
+    """A press that prunes some layers only (Gemma-3's global ones) leaves layers of different lengths;
+    fed in one forward, the tail's later tokens would be visible to its earlier ones in the pruned
+    layers. Token by token must give what one forward gives where the lengths agree."""
+    from transformers import DynamicCache
+
+    from evaluation.generate import continuation_nll
+
+    ids = torch.randint(5, tiny_llama.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
+    tail = torch.randint(5, tiny_llama.config.vocab_size, (12,), generator=torch.Generator().manual_seed(1)).tolist()
+
+    def prefilled(prune_first_layer):
+        cache = DynamicCache(config=tiny_llama.config)
+        with torch.no_grad():
+            tiny_llama(ids, past_key_values=cache)
+        if prune_first_layer:
+            layer = cache.layers[0]
+            layer.keys, layer.values = layer.keys[:, :, ::2].contiguous(), layer.values[:, :, ::2].contiguous()
+        return cache
+
+    whole = continuation_nll(tiny_llama, prefilled(False), None, tail, 40)
+    pruned = prefilled(True)
+    assert len({layer.get_seq_length() for layer in pruned.layers}) == 2
+    calls = []
+    handle = tiny_llama.register_forward_pre_hook(lambda module, args, kwargs: calls.append(kwargs["input_ids"].shape[1]),
+                                                  with_kwargs=True)
+    try:
+        nll, count = continuation_nll(tiny_llama, pruned, None, tail, 40)
+    finally:
+        handle.remove()
+    assert calls == [1] * len(tail) and count == whole[1] == len(tail) - 1
+    assert math.isfinite(nll) and nll != whole[0]  # the pruned layer changes the result, through a causal read
+    import evaluation.generate as generate
+
+    monkeypatch.setattr(generate, "_lengths_agree", lambda cache: False)  # token by token on the unpruned cache
+    by_token = continuation_nll(tiny_llama, prefilled(False), None, tail, 40)
+    assert by_token[1] == whole[1] and math.isclose(by_token[0], whole[0], rel_tol=1e-4)
