@@ -266,5 +266,8 @@ def _native_bf16(device_type: str) -> bool:
     if device_type == "cuda":
         return torch.cuda.is_bf16_supported()
     if device_type == "cpu":
-        return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        try:  # a private oneDNN query: a torch build without it gets fp32
+            return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        except (AttributeError, RuntimeError):
+            return False
     return False
