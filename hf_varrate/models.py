@@ -190,7 +190,7 @@ _SAMPLE = "The quick brown fox jumps over the lazy dog near the riverbank."  # 6
 def _checked_tokenizer(tokenizer: PreTrainedTokenizerBase, info: DefaultModel, source) -> PreTrainedTokenizerBase:
     """The tokenizer, made to prepend BOS exactly when the model's Hub tokenizer does (`info.adds_bos`);
     a RuntimeError naming the fix if that fails or if it tokenizes text character by character."""
-    if _adds_bos(tokenizer) != info.adds_bos:
+    if not _special_prefix_is(tokenizer, info.adds_bos):
         tokenizer.add_bos_token = info.adds_bos
     if not _special_prefix_is(tokenizer, info.adds_bos) or tokenizer.decode(_plain(tokenizer, _SAMPLE)) != _SAMPLE:
         raise RuntimeError(
@@ -218,11 +218,6 @@ def _redo(source, info: DefaultModel) -> str:
     delete = f"delete {source}, then " if Path(source).is_dir() else ""
     return (f"{delete}convert it once with transformers >= 5.24 (python -c \"from hf_varrate.models import "
             f"load_default_model; load_default_model('{name}')\"), whose folder every 5.x reads correctly")
-
-
-def _adds_bos(tokenizer: PreTrainedTokenizerBase) -> bool:
-    ids = tokenizer("Hello", add_special_tokens=True)["input_ids"]
-    return tokenizer.bos_token_id is not None and bool(ids) and ids[0] == tokenizer.bos_token_id
 
 
 def _special_prefix_is(tokenizer: PreTrainedTokenizerBase, adds_bos: bool) -> bool:

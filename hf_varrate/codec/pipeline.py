@@ -24,8 +24,8 @@ from .anchors import anchor_positions, exact_mask, gather_means, nearest_anchors
 from .joint import joint_rows
 from .layer_budget import budget_scale
 from .packing import PromptCode, meta_bytes_per_token, smallest_uint
-from .projection import (DenseOrder, RankOrder, decode_blocks, decode_dense, dense_coefs, dense_order, encode_blocks,
-                         encode_dense, matmul_dtype, rank_order)
+from .projection import (DenseOrder, RankOrder, decode_blocks, decode_dense, dense_order, encode_blocks, encode_dense,
+                         matmul_dtype, rank_order)
 from .quantization import SCALE_DTYPE, QuantizedCoefs, dequantize, dequantize_dense, quantize, quantize_dense
 from .reference import decode_reference, encode_reference
 from .rope import rotate_heads
@@ -190,8 +190,10 @@ def _reconstruct(code, plan: RankOrder | DenseOrder, coded, means, basis, keys, 
     per half moves it to the head-major layout, where the keys are re-rotated plane by plane. This
     runs about 2x faster than scattering C rows across H strided head planes."""
     if isinstance(plan, DenseOrder):
-        coefs = code.coefs
-        coefs = dequantize_dense(coefs, plan) if isinstance(coefs, QuantizedCoefs) else dense_coefs(coefs, plan)
+        if isinstance(code.coefs, QuantizedCoefs):
+            coefs = dequantize_dense(code.coefs, plan)
+        else:
+            coefs = plan.from_stream(code.coefs, torch.float32)
         z_hat = decode_dense(means, coefs, basis, plan, mm_dtype)  # [C, D] fp32
     else:
         z_hat = decode_blocks(means, coef_values(code), basis, plan, mm_dtype)

@@ -239,11 +239,6 @@ def encode_dense(residuals: torch.Tensor, basis: torch.Tensor, plan: DenseOrder,
     return (residuals.to(dtype) @ _padded_basis(basis, plan.width).to(dtype).T).float()
 
 
-def dense_coefs(packed: torch.Tensor, plan: DenseOrder) -> torch.Tensor:
-    """The packed stream [sum(ranks)] as [C, width] fp32, zeros past each token's rank."""
-    return plan.from_stream(packed, torch.float32)
-
-
 def decode_dense(means: torch.Tensor, coefs: torch.Tensor, basis: torch.Tensor, plan: DenseOrder,
                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Eq. 6: z-hat = z-bar + V^T c, in place on means [C, D] fp32; coefs [C, width], zeros past each rank."""
