@@ -5,6 +5,9 @@ One plain prefill is captured; every cache is built from it by replaying the sam
 are interleaved within every repeat, so they see the same machine load; medians over repeats.
 
     python benchmarks/bench_decode.py                      # SmolLM2 fp32, 4K prompt, 16 new tokens
+
+A configuration is `full` or `<storage>[-<bits>bit][+codes]`: `+codes` decodes under the "varrate"
+attention implementation (compact layers attend over their codes); every other one under sdpa.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 from transformers import DynamicCache
 
 import common
+import hf_varrate
 from hf_varrate import VarRateCache, VarRateConfig
 from hf_varrate.config import PRESETS
 
@@ -40,7 +44,7 @@ def build_caches(model, bases, captured, budget: float, configs: list[str], pres
         if name == "full":
             cache = DynamicCache(config=model.config)
         else:
-            storage, _, bits = name.partition("-")
+            storage, _, bits = name.removesuffix("+codes").partition("-")
             options = {"coef_bits": int(bits.removesuffix("bit"))} if bits else {}
             config = VarRateConfig.preset(preset, budget=budget, storage=storage, **options)
             cache = VarRateCache(bases, config, model=model)
@@ -72,6 +76,7 @@ def main(argv=None):
     captured, _ = common.capture_prefill(model, ids)
     configs = args.configs.split(",")
     caches = build_caches(model, bases, captured, args.budget, configs, args.preset)
+    hf_varrate.bind(model)  # "+codes" needs the hook that tells compact layers the attention reads codes
     first = ids[:, -1:]
     decode(model, copy.deepcopy(caches["full"]), first, 2)  # warm-up
     steps = {name: [] for name in configs}
@@ -80,6 +85,7 @@ def main(argv=None):
     for repeat in range(args.repeats):
         order = configs[repeat % len(configs):] + configs[: repeat % len(configs)]
         for name in order:
+            model.set_attn_implementation(hf_varrate.ATTENTION if name.endswith("+codes") else "sdpa")
             cache = copy.deepcopy(caches[name])
             per_step, tokens[name] = decode(model, cache, first, args.new)
             steps[name] += per_step

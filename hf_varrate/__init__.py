@@ -1,9 +1,12 @@
 """hf_varrate: VarRate variable-rate low-rank KV-cache compression for Hugging Face transformers.
 
-Importing this package changes nothing in transformers; `bind(model)` (or
-`VarRateCache.from_pretrained(..., model=model)`) installs the only hooks, `unbind(model)` removes them.
+Importing this package changes nothing in transformers except that it registers one more attention
+implementation, "varrate" (`hf_varrate.attention`: sdpa, plus attention over a compact cache's codes),
+which only models that ask for it use; `bind(model)` (or `VarRateCache.from_pretrained(...,
+model=model)`) installs the only hooks, `unbind(model)` removes them.
 """
 
+from .attention import ATTENTION
 from .bases import Bases, BasesError
 from .binding import bind, bound, is_bound, unbind
 from .cache import Footprint, LayerFootprint, VarRateCache, VarRateLayer, VarRateWarning
@@ -13,6 +16,6 @@ from .serialization import CacheFileError
 __version__ = "0.1.0"
 
 __all__ = [
-    "Bases", "BasesError", "CacheFileError", "Footprint", "LayerFootprint", "VarRateCache", "VarRateConfig",
+    "ATTENTION", "Bases", "BasesError", "CacheFileError", "Footprint", "LayerFootprint", "VarRateCache", "VarRateConfig",
     "VarRateLayer", "VarRateWarning", "bind", "bound", "is_bound", "unbind", "__version__",
 ]

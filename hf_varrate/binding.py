@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .attention import ATTENTION
 from .codec.salience import attention_scale
 
 _HANDLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention module -> hook handle
@@ -100,6 +101,8 @@ def prefill_hook(module, args, kwargs):
             f"nothing to compress or attend to; pass at least one token (e.g. the tokenizer's BOS token)"
         )
     layer = cache.layers[module.layer_idx]
+    if isinstance(layer, VarRateLayer):  # compact reads go through the codes only if the attention reads them
+        layer.coded_reads = getattr(getattr(module, "config", None), "_attn_implementation", None) == ATTENTION
     if not isinstance(layer, VarRateLayer) or not layer.awaits_prefill or hidden.shape[1] <= 1:
         return None
     cos, sin = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]

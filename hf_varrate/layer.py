@@ -7,7 +7,8 @@ codes the prompt, and every later token is stored exactly.
 - materialized: the reconstruction replaces the prompt once; `keys` / `values` hold full-length
   K/V like a DynamicLayer (and `codes` the codes, for `footprint()` and `save_pretrained`).
 - compact: only the codes and exact tokens are held (`codes[b].exact_keys` ...); `keys` / `values`
-  hold the tokens appended after the prefill; every read reconstructs this layer's prompt.
+  hold the tokens appended after the prefill; every read reconstructs this layer's prompt, except
+  under the "varrate" attention implementation (`hf_varrate.attention`), which attends over the codes.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from transformers.cache_utils import DynamicLayer
 
 from .bases import Bases
 from .binding import PrefillContext
-from .codec import PromptCode, compress_prompt, decode_prompt
+from .attention import CodedRead
+from .codec import PromptCode, attend_codes, compress_prompt, decode_prompt
 from .codec.balance import coding_basis, layer_share
+from .codec.projection import matmul_dtype
 from .config import VarRateConfig
 from .rotary import RopeMemo, RotaryFrequencies
 
@@ -82,6 +85,7 @@ class VarRateLayer(DynamicLayer):
         self.config = config
         self.rope = rope
         self.memo = memo if memo is not None else RopeMemo()
+        self.coded_reads = False  # set before each forward by the binding hook: the model's attention is "varrate"
         self._reset_state()
 
     def _reset_state(self):
@@ -130,6 +134,10 @@ class VarRateLayer(DynamicLayer):
             return super().update(key_states, value_states)
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
+        if self.coded_reads:  # good for this forward only: the hook sets it again before the next
+            self.coded_reads = False
+            read = CodedRead(self)
+            return read, read
         return self._read()
 
     def get_seq_length(self) -> int:
@@ -239,6 +247,27 @@ class VarRateLayer(DynamicLayer):
         keys[:, :, kept:] = self.keys
         values[:, :, kept:] = self.values
         return keys, values
+
+    def attends_codes(self, mask) -> bool:
+        """Whether `attend` can read this layer under `mask` (one unpadded, uncropped sequence whose prompt
+        was coded, a mask shared by the heads); else the attention rebuilds K/V with `_read`."""
+        if len(self.codes) != 1 or self.codes[0].stored_exactly or not self.codes[0].ranks.numel():
+            return False
+        if self.prompt_kept != self.prompt_len or self._spans[0] != (0, self.prompt_len):
+            return False
+        return mask is None or (mask.dim() == 4 and mask.shape[:2] == (1, 1))
+
+    def attend(self, query: torch.Tensor, mask, scaling: float, softcap: float | None = None) -> torch.Tensor:
+        """Attention of query [1, Hq, Q, d] over this layer, read from the codes (`codec.attend_codes`):
+        [1, Q, Hq, d] in the query's dtype, as transformers' attention functions return it."""
+        code = self.codes[0]
+        device = self.keys.device
+        basis, scales = coding_basis(self.bases, self.layer_idx, self.config.balance, device)
+        cos, sin = self.memo.tables(self.rope, code.seq_len, self.keys.dtype, device, self._offsets[0])
+        out = attend_codes(code, query[0], code.exact_keys[0], code.exact_values[0], self.keys[0], self.values[0],
+                           cos, sin, basis, scaling, scales=scales, mask=None if mask is None else mask[0, 0],
+                           softcap=softcap, mm_dtype=matmul_dtype(self.config.projection_dtype, device))
+        return out.to(query.dtype).transpose(0, 1).unsqueeze(0).contiguous()
 
     # switching storage -------------------------------------------------------------------------------
     def exact_tokens(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:

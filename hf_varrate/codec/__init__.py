@@ -1,6 +1,7 @@
 """The VarRate codec as pure tensor functions, one stage per module (Algorithm 1)."""
 
 from .allocation import topk_ranks, waterfill_ranks
+from .attend import attend_codes
 from .anchors import anchor_means, anchor_positions, exact_mask, gather_means, nearest_anchors, nearest_anchors_mm, residuals
 from .joint import join_kv, joint_rows, split_kv
 from .packing import PromptCode
@@ -11,7 +12,7 @@ from .rope import rope_tables, rotate_keys, rotate_rows, sample_positions, unrot
 from .salience import coded_salience, minmax, pool_scores, snapkv_scores
 
 __all__ = [
-    "PromptCode", "QuantizedCoefs", "RankOrder", "anchor_means", "anchor_positions", "coded_salience", "coef_values",
+    "PromptCode", "QuantizedCoefs", "RankOrder", "anchor_means", "attend_codes", "anchor_positions", "coded_salience", "coef_values",
     "coefficient_budget", "compress_prompt", "decode", "decode_blocks", "decode_prompt", "dequantize", "encode",
     "encode_blocks", "encode_prompt", "exact_mask", "gather_means", "join_kv", "joint_rows", "minmax",
     "nearest_anchors", "nearest_anchors_mm", "pack", "pool_scores", "quantize", "rank_order", "residuals",

@@ -160,13 +160,18 @@ def decode_prompt(code: PromptCode, exact_keys, exact_values, cos, sin, basis, *
         if implementation == "reference":
             decode_reference(code, coef_values(code), keys, values, cos, sin, basis)
             return keys, values
-        plan = _plan(code.ranks, code.coefs.group if isinstance(code.coefs, QuantizedCoefs) else 1)
+        plan = code_layout(code)
         coded = _in_order(code.coded_pos, plan)
         z_anchors = _joint(keys, values, cos, sin, code.anchor_pos, scales)
         means = gather_means(z_anchors, _in_order(code.neighbours.long(), plan))
         _reconstruct(code, plan, coded, means, basis, keys, values, cos, sin, scales, (exact_keys[0], exact_values[0]),
                      matmul_dtype(projection_dtype, keys.device))
     return keys, values
+
+
+def code_layout(code: PromptCode) -> RankOrder | DenseOrder:
+    """The layout the encoder chose for this code's coefficients (`_plan`, from what the code holds)."""
+    return _plan(code.ranks, code.coefs.group if isinstance(code.coefs, QuantizedCoefs) else 1)
 
 
 def coef_values(code: PromptCode) -> torch.Tensor:

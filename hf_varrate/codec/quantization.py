@@ -179,11 +179,33 @@ def quantize_dense(coefs: torch.Tensor, layout: DenseOrder, bits: int) -> Quanti
 
 def dequantize_dense(coefs: QuantizedCoefs, layout: DenseOrder) -> torch.Tensor:
     """`dequantize` laid out dense: [C, K * group] fp32, zeros past each row's rank (see `quantize_dense`)."""
+    if layout.runs is not None:
+        return _dequantize_runs(coefs, layout)
     groups = layout.groups
     dense = layout.from_stream(unpack_bits(coefs.codes, coefs.bits, coefs.count))
     out = dense.float().view(dense.shape[0], -1, coefs.group)
     out = out.mul_(_grid(groups, coefs.steps)).add_(_grid(groups, coefs.mins)).view_as(dense)
     return layout.zero_padding_(out)
+
+
+def _dequantize_runs(coefs: QuantizedCoefs, layout: DenseOrder) -> torch.Tensor:
+    """`dequantize_dense` where the ranks are constant over a few runs of tokens: each run's codes and
+    group scales are row-major blocks of the stream, so every step is a view (no grid, no scatter)."""
+    q, group = unpack_bits(coefs.codes, coefs.bits, coefs.count), coefs.group
+    out = torch.zeros(layout.ranks.numel(), layout.width, device=q.device)
+    offset = first_group = 0
+    for first, stop, rank in layout.runs:
+        rows, groups, whole = stop - first, -(-rank // group), rank // group * group
+        values = out[first:stop, :rank].copy_(q[offset : offset + rows * rank].view(rows, rank))
+        steps = coefs.steps[first_group : first_group + rows * groups].view(rows, groups).float()
+        mins = coefs.mins[first_group : first_group + rows * groups].view(rows, groups).float()
+        head = values[:, :whole].view(rows, -1, group)
+        head.mul_(steps[:, : whole // group, None]).add_(mins[:, : whole // group, None])
+        if whole < rank:  # each token's last, partial group
+            values[:, whole:].mul_(steps[:, -1:]).add_(mins[:, -1:])
+        offset += rows * rank
+        first_group += rows * groups
+    return out
 
 
 def _grid(groups: torch.Tensor, per_group: torch.Tensor) -> torch.Tensor:

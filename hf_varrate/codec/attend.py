@@ -1,0 +1,184 @@
+"""Attention over the codes: one sequence's decode-time attention on a compressed prompt, without
+rebuilding its values (compact storage's fast read).
+
+Shapes: query [Hq, Q, d]; exact_keys, exact_values [H, E, d] post-RoPE; tail_keys, tail_values [H, T, d]
+(the tokens appended after the prefill); cos, sin [1, S, d]; basis [R, D] fp32; scores and weights
+[H, rep * Q, N] with the query heads that share a KV head stacked (rep = Hq / H, as `repeat_kv`).
+
+A coded value is its anchor mean plus a projection, v_t = mean_{a in N(t)} v_a + (c_t V)_v / s_v, so
+
+    sum_t p_t v_t = sum_a w_a v_a + ((sum_t p_t c_t) V_v) / s_v,   w_a = sum_{t: a in N(t)} p_t / |N(t)|:
+
+the anchors are exact tokens, so their weights join the exact tokens' and the codes are read once,
+as a [rep * Q, C] x [C, r] product per head. Keys are rebuilt (RoPE makes q . k_t depend on t), but
+only their half of the joint vector, token-major and rotated in place with no transposing copy.
+The result equals attention over `decode_prompt`'s reconstruction up to float rounding.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+from torch.profiler import record_function
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .packing import PromptCode
+from .pipeline import coef_values, code_layout
+from .projection import DenseOrder, RankOrder
+from .quantization import QuantizedCoefs, dequantize_dense
+from .rope import unrotate_rows
+
+
+def attend_codes(code: PromptCode, query, exact_keys, exact_values, tail_keys, tail_values, cos, sin, basis,
+                 scaling: float, *, scales=None, mask=None, softcap=None,
+                 mm_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Softmax attention of `query` over the whole prompt (coded + exact tokens) then the tail.
+
+    `mask`: None (every prompt token visible; tail token j visible to query i iff j <= T - Q + i) or
+    [Q, S + T] bool (True: attend) / additive float over the cache slots (prompt slots, then the tail),
+    as the model's attention mask gives it. `cos`, `sin` must repeat their first half (as `rope_tables`
+    builds them). Returns [Hq, Q, d] fp32."""
+    plan = code_layout(code)
+    heads_q, q_len, dim = query.shape
+    heads = exact_keys.shape[0]
+    rows, half = heads_q // heads * q_len, heads * dim  # query rows per KV head; the keys' half of D
+    coded, neighbours = code.coded_pos, code.neighbours.long()
+    if isinstance(plan, RankOrder):
+        coded, neighbours = coded[plan.order], neighbours[plan.order]
+    exact, anchors = code.exact_pos, code.anchor_pos
+    in_exact = torch.searchsorted(exact, anchors)  # anchors are exact tokens: their rows among them
+    basis_k, basis_v = _split_basis(basis, scales, heads, dim)
+    q = query.float().reshape(heads, rows, dim)
+    pairs = _pair_order(dim, query.device)
+    with record_function("varrate.attend_keys"):
+        coefs = _coefs(code, plan)
+        keys = _coded_keys(coefs, plan, neighbours, exact_keys, in_exact, anchors, coded, cos, sin, basis_k,
+                           mm_dtype)  # [C, half]
+        scores = torch.cat((_block_scores(keys, q[..., pairs]),
+                            torch.matmul(q, exact_keys.float().transpose(1, 2)),
+                            torch.matmul(q, tail_keys.float().transpose(1, 2))), dim=-1).mul_(scaling)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap).mul_(softcap)
+    _mask_(scores, mask, torch.cat((coded, exact)), code.seq_len, tail_keys.shape[1], rows // q_len)
+    weights = torch.softmax(scores, dim=-1)
+    n_coded, n_exact = coded.numel(), exact.numel()
+    p_coded, p_exact, p_tail = weights.split((n_coded, n_exact, weights.shape[-1] - n_coded - n_exact), dim=-1)
+    with record_function("varrate.attend_values"):
+        share = p_coded / neighbours.shape[1]  # each anchor of a coded token gets its share of the mean
+        for targets in in_exact[neighbours].t():
+            p_exact.index_add_(-1, targets, share)
+        out = torch.matmul(p_exact, exact_values.float()) + torch.matmul(p_tail, tail_values.float())
+        mixed = _mix_codes(coefs, plan, p_coded.reshape(heads * rows, n_coded))  # [H * rows, width]
+        width = mixed.shape[1]
+        out += torch.matmul(mixed.view(heads, rows, width), _rows(basis_v.transpose(0, 1), width).transpose(0, 1))
+    return out.view(heads_q, q_len, dim)
+
+
+def _coded_keys(coefs, plan, neighbours, exact_keys, in_exact, anchors, coded, cos, sin, basis_k, mm_dtype):
+    """The coded tokens' keys [C, H * d] fp32, post-RoPE, in the plan's order, each head's dims paired
+    ((i, i + d/2) adjacent: `_pair_order`), so that RoPE is one complex product. `basis_k` is paired."""
+    heads, _, dim = exact_keys.shape
+    anchor_keys = exact_keys.transpose(0, 1).index_select(0, in_exact)  # [A, H, d], contiguous
+    z_anchors = unrotate_rows(anchor_keys, cos[0].index_select(0, anchors).float(),
+                              sin[0].index_select(0, anchors).float())[..., _pair_order(dim, coded.device)]
+    z_anchors = z_anchors.reshape(-1, heads * dim) / neighbours.shape[1]  # exact: c = 4 is a power of two
+    keys = F.embedding_bag(neighbours, z_anchors, mode="sum")  # the anchor means [C, H * d]
+    if isinstance(plan, DenseOrder):
+        basis = _rows(basis_k, plan.width)
+        if mm_dtype == torch.float32:
+            keys.addmm_(coefs, basis)
+        else:
+            keys.add_(coefs.to(mm_dtype) @ basis.to(mm_dtype))
+    else:
+        basis = basis_k.to(mm_dtype)
+        for (j0, j1, rows, _), block in zip(plan.blocks, coefs):
+            if mm_dtype == torch.float32:
+                keys[:rows].addmm_(block, basis[j0:j1])
+            else:
+                keys[:rows].add_(block.to(mm_dtype) @ basis[j0:j1])
+    turns = torch.stack((cos[0, :, : dim // 2], sin[0, :, : dim // 2]), dim=-1).float().index_select(0, coded)
+    torch.view_as_complex(keys.view(-1, heads, dim // 2, 2)).mul_(torch.view_as_complex(turns)[:, None])
+    return keys
+
+
+def _block_scores(keys, q):
+    """q . k for keys [C, H * d] and q [H, rows, d] (head h's queries meet head h's keys): [H, rows, C].
+    One [C, H * d] x [H * d, H * rows] product with a block-diagonal right side, on the keys as laid out."""
+    heads, rows, dim = q.shape
+    blocks = q.new_zeros(heads, dim, heads, rows)
+    for h in range(heads):
+        blocks[h, :, h] = q[h].t()
+    scores = keys @ blocks.view(heads * dim, heads * rows)  # [C, H * rows]
+    return scores.t().view(heads, rows, -1)
+
+
+def _mix_codes(coefs, plan, weights):
+    """sum_t p_t c_t for each row of weights [M, C] (coded tokens in the plan's order): [M, width] fp32.
+    In fp32 whatever the projection dtype: M is a few rows, so this product is cheap."""
+    if isinstance(plan, DenseOrder):
+        return weights @ coefs
+    mixed = weights.new_zeros(weights.shape[0], plan.blocks[-1][1])
+    for (j0, j1, rows, _), block in zip(plan.blocks, coefs):
+        mixed[:, j0:j1] += weights[:, :rows] @ block
+    return mixed
+
+
+def _coefs(code: PromptCode, plan: RankOrder | DenseOrder):
+    """The coefficients, fp32, read once: [C, width] (dense), or one [rows, j1 - j0] matrix per block."""
+    if isinstance(plan, DenseOrder):
+        if isinstance(code.coefs, QuantizedCoefs):
+            return dequantize_dense(code.coefs, plan)
+        return plan.from_stream(code.coefs, torch.float32)
+    values = coef_values(code)
+    stream = torch.cat((values, values.new_zeros(1)))  # `RankOrder.index` points past a rank at the zero
+    return [stream.take(plan.index(*block)) for block in plan.blocks]
+
+
+_SPLIT = WeakIdKeyDictionary()  # basis -> (scales, keys' basis, values' basis)
+
+
+def _split_basis(basis, scales, heads: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The basis [R, D] as attention reads it, divided by the balance `scales` (coded z_t = scaled z_t):
+    the keys' half [R, H * d] with paired dims (`_pair_order`), the values' half [H, R, d]. Computed once
+    per resident basis (`Bases.for_layer` and `coding_basis` keep returning the same tensors)."""
+    cached = _SPLIT.get(basis)
+    if cached is None or cached[0] is not scales:
+        half = heads * dim
+        keys, values = basis[:, :half], basis[:, half:]
+        if scales is not None:
+            keys, values = keys / scales[:half], values / scales[half:]
+        keys = keys.reshape(-1, heads, dim)[..., _pair_order(dim, basis.device)].reshape(-1, half)
+        cached = _SPLIT[basis] = (scales, keys, values.reshape(-1, heads, dim).transpose(0, 1).contiguous())
+    return cached[1], cached[2]
+
+
+@cache
+def _pair_order(dim: int, device) -> torch.Tensor:
+    """[d] the dims of a head with each RoPE pair (i, i + d/2) adjacent: 0, d/2, 1, d/2 + 1, ..."""
+    return torch.arange(dim, device=device).view(2, dim // 2).t().reshape(-1)
+
+
+def _rows(basis: torch.Tensor, width: int) -> torch.Tensor:
+    """basis [R, n] cut or zero-padded to `width` rows."""
+    if width <= basis.shape[0]:
+        return basis[:width]
+    return torch.cat((basis, basis.new_zeros(width - basis.shape[0], basis.shape[1])))
+
+
+def _mask_(scores, mask, prompt_slots, seq_len: int, tail: int, rep: int) -> None:
+    """Apply the attention mask to scores [H, rep * Q, P + T] whose prompt columns are `prompt_slots`."""
+    q_len = scores.shape[1] // rep
+    if mask is None:
+        if q_len > 1:  # causal within the tail: query i sees tail tokens j <= T - Q + i
+            i = torch.arange(q_len, device=scores.device)[:, None]
+            j = torch.arange(tail, device=scores.device)[None, :]
+            scores[..., scores.shape[-1] - tail :].masked_fill_((j > tail - q_len + i).repeat(rep, 1), float("-inf"))
+        return
+    columns = torch.cat((prompt_slots, torch.arange(seq_len, seq_len + tail, device=scores.device)))
+    picked = mask.index_select(-1, columns).repeat(rep, 1)  # [rep * Q, P + T], rows as in scores
+    if picked.dtype == torch.bool:
+        scores.masked_fill_(~picked, float("-inf"))
+    else:
+        scores.add_(picked.float())
