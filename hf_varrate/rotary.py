@@ -62,14 +62,25 @@ class RopeMemo:
     def __init__(self):
         self._key = None
         self._tables = None
+        self._turns = None
 
     def tables(self, rope: RotaryFrequencies, length: int, dtype: torch.dtype, device, offset: int = 0):
         """cos, sin [1, length, d] for positions offset..offset+length-1."""
         key = (id(rope), dtype, torch.device(device))
         if self._key != key or self._tables[0].shape[1] < offset + length:
-            self._key, self._tables = key, rope.tables(offset + length, dtype, device)
+            self._key, self._tables, self._turns = key, rope.tables(offset + length, dtype, device), None
         cos, sin = self._tables
         return cos[:, offset : offset + length], sin[:, offset : offset + length]
 
+    def turns(self, rope: RotaryFrequencies, length: int, dtype: torch.dtype, device, offset: int = 0):
+        """[length, d/2, 2] fp32: (cos, sin) of each RoPE pair at those positions, for rotations as complex
+        products (`codec.attend`); the tables repeat their first half, as `rope_tables` builds them."""
+        self.tables(rope, offset + length, dtype, device)
+        if self._turns is None:  # from the whole tables, which may reach past offset + length
+            cos, sin = self._tables
+            half = cos.shape[-1] // 2
+            self._turns = torch.stack((cos[0, :, :half], sin[0, :, :half]), dim=-1).float()
+        return self._turns[offset : offset + length]
+
     def clear(self) -> None:
-        self._key = self._tables = None
+        self._key = self._tables = self._turns = None

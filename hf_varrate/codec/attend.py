@@ -32,14 +32,15 @@ from .rope import unrotate_rows
 
 
 def attend_codes(code: PromptCode, query, exact_keys, exact_values, tail_keys, tail_values, cos, sin, basis,
-                 scaling: float, *, scales=None, mask=None, softcap=None,
-                 mm_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                 scaling: float, *, scales=None, mask=None, softcap=None, mm_dtype: torch.dtype = torch.float32,
+                 turns: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention of `query` over the whole prompt (coded + exact tokens) then the tail.
 
     `mask`: None (every prompt token visible; tail token j visible to query i iff j <= T - Q + i) or
     [Q, S + T] bool (True: attend) / additive float over the cache slots (prompt slots, then the tail),
     as the model's attention mask gives it. `cos`, `sin` must repeat their first half (as `rope_tables`
-    builds them). Returns [Hq, Q, d] fp32."""
+    builds them); `turns` [S, d/2, 2] is their first halves stacked (`RopeMemo.turns`; None: built here).
+    Returns [Hq, Q, d] fp32."""
     plan = code_layout(code)
     heads_q, q_len, dim = query.shape
     heads = exact_keys.shape[0]
@@ -54,14 +55,16 @@ def attend_codes(code: PromptCode, query, exact_keys, exact_values, tail_keys, t
     pairs = _pair_order(dim, query.device)
     with record_function("varrate.attend_keys"):
         coefs = _coefs(code, plan)
-        keys = _coded_keys(coefs, plan, neighbours, exact_keys, in_exact, anchors, coded, cos, sin, basis_k,
+        if turns is None:
+            turns = torch.stack((cos[0, :, : dim // 2], sin[0, :, : dim // 2]), dim=-1).float()
+        keys = _coded_keys(coefs, plan, neighbours, exact_keys, in_exact, anchors, coded, cos, sin, turns, basis_k,
                            mm_dtype)  # [C, half]
         scores = torch.cat((_block_scores(keys, q[..., pairs]),
                             torch.matmul(q, exact_keys.float().transpose(1, 2)),
                             torch.matmul(q, tail_keys.float().transpose(1, 2))), dim=-1).mul_(scaling)
     if softcap is not None:
         scores = torch.tanh(scores / softcap).mul_(softcap)
-    _mask_(scores, mask, torch.cat((coded, exact)), code.seq_len, tail_keys.shape[1], rows // q_len)
+    _mask_(scores, mask, (coded, exact), code.seq_len, tail_keys.shape[1], rows // q_len)
     weights = torch.softmax(scores, dim=-1)
     n_coded, n_exact = coded.numel(), exact.numel()
     p_coded, p_exact, p_tail = weights.split((n_coded, n_exact, weights.shape[-1] - n_coded - n_exact), dim=-1)
@@ -76,7 +79,7 @@ def attend_codes(code: PromptCode, query, exact_keys, exact_values, tail_keys, t
     return out.view(heads_q, q_len, dim)
 
 
-def _coded_keys(coefs, plan, neighbours, exact_keys, in_exact, anchors, coded, cos, sin, basis_k, mm_dtype):
+def _coded_keys(coefs, plan, neighbours, exact_keys, in_exact, anchors, coded, cos, sin, turns, basis_k, mm_dtype):
     """The coded tokens' keys [C, H * d] fp32, post-RoPE, in the plan's order, each head's dims paired
     ((i, i + d/2) adjacent: `_pair_order`), so that RoPE is one complex product. `basis_k` is paired."""
     heads, _, dim = exact_keys.shape
@@ -98,8 +101,8 @@ def _coded_keys(coefs, plan, neighbours, exact_keys, in_exact, anchors, coded, c
                 keys[:rows].addmm_(block, basis[j0:j1])
             else:
                 keys[:rows].add_(block.to(mm_dtype) @ basis[j0:j1])
-    turns = torch.stack((cos[0, :, : dim // 2], sin[0, :, : dim // 2]), dim=-1).float().index_select(0, coded)
-    torch.view_as_complex(keys.view(-1, heads, dim // 2, 2)).mul_(torch.view_as_complex(turns)[:, None])
+    turns = torch.view_as_complex(turns.index_select(0, coded))[:, None]  # [C, 1, d/2]
+    torch.view_as_complex(keys.view(-1, heads, dim // 2, 2)).mul_(turns)
     return keys
 
 
@@ -168,7 +171,8 @@ def _rows(basis: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def _mask_(scores, mask, prompt_slots, seq_len: int, tail: int, rep: int) -> None:
-    """Apply the attention mask to scores [H, rep * Q, P + T] whose prompt columns are `prompt_slots`."""
+    """Apply the attention mask to scores [H, rep * Q, P + T] whose prompt columns are the slots `prompt_slots`
+    (a tuple of index tensors, in order)."""
     q_len = scores.shape[1] // rep
     if mask is None:
         if q_len > 1:  # causal within the tail: query i sees tail tokens j <= T - Q + i
@@ -176,7 +180,7 @@ def _mask_(scores, mask, prompt_slots, seq_len: int, tail: int, rep: int) -> Non
             j = torch.arange(tail, device=scores.device)[None, :]
             scores[..., scores.shape[-1] - tail :].masked_fill_((j > tail - q_len + i).repeat(rep, 1), float("-inf"))
         return
-    columns = torch.cat((prompt_slots, torch.arange(seq_len, seq_len + tail, device=scores.device)))
+    columns = torch.cat((*prompt_slots, torch.arange(seq_len, seq_len + tail, device=scores.device)))
     picked = mask.index_select(-1, columns).repeat(rep, 1)  # [rep * Q, P + T], rows as in scores
     if picked.dtype == torch.bool:
         scores.masked_fill_(~picked, float("-inf"))

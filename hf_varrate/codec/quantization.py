@@ -192,7 +192,7 @@ def _dequantize_runs(coefs: QuantizedCoefs, layout: DenseOrder) -> torch.Tensor:
     """`dequantize_dense` where the ranks are constant over a few runs of tokens: each run's codes and
     group scales are row-major blocks of the stream, so every step is a view (no grid, no scatter)."""
     q, group = unpack_bits(coefs.codes, coefs.bits, coefs.count), coefs.group
-    out = torch.zeros(layout.ranks.numel(), layout.width, device=q.device)
+    out = layout.zero_padding_(torch.empty(layout.ranks.numel(), layout.width, device=q.device))
     offset = first_group = 0
     for first, stop, rank in layout.runs:
         rows, groups, whole = stop - first, -(-rank // group), rank // group * group
