@@ -7,9 +7,9 @@ cd "$(dirname "$0")"
 start=$(date +%s)
 python bench_prefill.py
 python bench_prefill.py --plan smollm2-135m-instruct:float32:2048,4096:2,3:1,1 --preset recommended --out prefill_recommended
-python bench_decode.py --configs full,materialized,compact,compact-4bit
+python bench_decode.py --configs full,materialized,compact,compact+codes,compact-4bit,compact-4bit+codes --repeats 5
 python bench_decode.py --configs full,materialized,compact,compact-4bit --threads 2 --out decode_2threads
-python bench_decode.py --preset recommended --configs full,materialized,compact --out decode_recommended
+python bench_decode.py --preset recommended --configs full,materialized,compact,compact+codes --repeats 5 --out decode_recommended
 python bench_memory.py
 python bench_load.py
 python bench_footprint.py

@@ -28,7 +28,6 @@ from .packing import PromptCode
 from .pipeline import coef_values, code_layout
 from .projection import DenseOrder, RankOrder
 from .quantization import QuantizedCoefs, dequantize_dense
-from .rope import unrotate_rows
 
 
 def attend_codes(code: PromptCode, query, exact_keys, exact_values, tail_keys, tail_values, cos, sin, basis,
@@ -47,7 +46,7 @@ def attend_codes(code: PromptCode, query, exact_keys, exact_values, tail_keys, t
     rows, half = heads_q // heads * q_len, heads * dim  # query rows per KV head; the keys' half of D
     coded, neighbours = code.coded_pos, code.neighbours.long()
     if isinstance(plan, RankOrder):
-        coded, neighbours = coded[plan.order], neighbours[plan.order]
+        coded, neighbours = coded.index_select(0, plan.order), neighbours.index_select(0, plan.order)
     exact, anchors = code.exact_pos, code.anchor_pos
     in_exact = torch.searchsorted(exact, anchors)  # anchors are exact tokens: their rows among them
     basis_k, basis_v = _split_basis(basis, scales, heads, dim)
@@ -57,7 +56,7 @@ def attend_codes(code: PromptCode, query, exact_keys, exact_values, tail_keys, t
         coefs = _coefs(code, plan)
         if turns is None:
             turns = torch.stack((cos[0, :, : dim // 2], sin[0, :, : dim // 2]), dim=-1).float()
-        keys = _coded_keys(coefs, plan, neighbours, exact_keys, in_exact, anchors, coded, cos, sin, turns, basis_k,
+        keys = _coded_keys(coefs, plan, neighbours, exact_keys, in_exact, anchors, coded, turns, basis_k,
                            mm_dtype)  # [C, half]
         scores = torch.cat((_block_scores(keys, q[..., pairs]),
                             torch.matmul(q, exact_keys.float().transpose(1, 2)),
@@ -70,7 +69,7 @@ def attend_codes(code: PromptCode, query, exact_keys, exact_values, tail_keys, t
     p_coded, p_exact, p_tail = weights.split((n_coded, n_exact, weights.shape[-1] - n_coded - n_exact), dim=-1)
     with record_function("varrate.attend_values"):
         share = p_coded / neighbours.shape[1]  # each anchor of a coded token gets its share of the mean
-        for targets in in_exact[neighbours].t():
+        for targets in in_exact.index_select(0, neighbours.t().reshape(-1)).view(neighbours.shape[1], -1):
             p_exact.index_add_(-1, targets, share)
         out = torch.matmul(p_exact, exact_values.float()) + torch.matmul(p_tail, tail_values.float())
         mixed = _mix_codes(coefs, plan, p_coded.reshape(heads * rows, n_coded))  # [H * rows, width]
@@ -79,14 +78,15 @@ def attend_codes(code: PromptCode, query, exact_keys, exact_values, tail_keys, t
     return out.view(heads_q, q_len, dim)
 
 
-def _coded_keys(coefs, plan, neighbours, exact_keys, in_exact, anchors, coded, cos, sin, turns, basis_k, mm_dtype):
+def _coded_keys(coefs, plan, neighbours, exact_keys, in_exact, anchors, coded, turns, basis_k, mm_dtype):
     """The coded tokens' keys [C, H * d] fp32, post-RoPE, in the plan's order, each head's dims paired
     ((i, i + d/2) adjacent: `_pair_order`), so that RoPE is one complex product. `basis_k` is paired."""
     heads, _, dim = exact_keys.shape
-    anchor_keys = exact_keys.transpose(0, 1).index_select(0, in_exact)  # [A, H, d], contiguous
-    z_anchors = unrotate_rows(anchor_keys, cos[0].index_select(0, anchors).float(),
-                              sin[0].index_select(0, anchors).float())[..., _pair_order(dim, coded.device)]
-    z_anchors = z_anchors.reshape(-1, heads * dim) / neighbours.shape[1]  # exact: c = 4 is a power of two
+    turn = torch.view_as_complex(turns.index_select(0, anchors))  # [A, d/2]
+    undo = turn.conj() / (turn.abs().square() * neighbours.shape[1])  # un-rotation (cos^2 + sin^2 may not be 1), / c
+    anchor_keys = exact_keys.index_select(1, in_exact)[..., _pair_order(dim, coded.device)].float()  # [H, A, d]
+    z_anchors = torch.view_as_real(torch.view_as_complex(anchor_keys.view(heads, -1, dim // 2, 2)) * undo)
+    z_anchors = z_anchors.transpose(0, 1).reshape(-1, heads * dim)  # [A, H * d], paired, already / c
     keys = F.embedding_bag(neighbours, z_anchors, mode="sum")  # the anchor means [C, H * d]
     if isinstance(plan, DenseOrder):
         basis = _rows(basis_k, plan.width)
@@ -136,7 +136,7 @@ def _coefs(code: PromptCode, plan: RankOrder | DenseOrder):
         return plan.from_stream(code.coefs, torch.float32)
     values = coef_values(code)
     stream = torch.cat((values, values.new_zeros(1)))  # `RankOrder.index` points past a rank at the zero
-    return [stream.take(plan.index(*block)) for block in plan.blocks]
+    return [plan.gather(stream, *block) for block in plan.blocks]
 
 
 _SPLIT = WeakIdKeyDictionary()  # basis -> (scales, keys' basis, values' basis)

@@ -65,13 +65,20 @@ class RankOrder:
     total: int  # sum(ranks)
 
     def index(self, j0: int, j1: int, rows: int, full: int) -> torch.Tensor:
-        """[rows, j1 - j0] positions in the packed stream of a block's coefficients (`total` past a rank)."""
-        cols = torch.arange(j0, j1, device=self.starts.device)
+        """[rows, j1 - j0] positions in the packed stream of a block's coefficients (`total` past a rank),
+        int32 or int64 as `starts`."""
+        cols = torch.arange(j0, j1, device=self.starts.device, dtype=self.starts.dtype)
         index = self.starts[:rows, None] + cols[None, :]
         if full < rows:  # the last rows end inside this block
             tail = index[full:]
             tail.masked_fill_(cols[None, :] >= self.ranks[full:rows, None], self.total)
         return index
+
+    def gather(self, stream: torch.Tensor, j0: int, j1: int, rows: int, full: int) -> torch.Tensor:
+        """A block's coefficients [rows, j1 - j0] from `stream` (the packed stream plus one zero at its end),
+        `stream[index]` by index_select, about 2x faster than advanced indexing or take."""
+        index = self.index(j0, j1, rows, full)
+        return stream.index_select(0, index.view(-1)).view(index.shape)
 
 
 def rank_order(ranks: torch.Tensor, block: int = BLOCK, merge: float = 0.7) -> RankOrder:
@@ -82,9 +89,11 @@ def rank_order(ranks: torch.Tensor, block: int = BLOCK, merge: float = 0.7) -> R
     merged block's work), which halves the number of small matmuls where ranks thin out slowly.
     """
     ranks = ranks.long()
-    order = torch.argsort(ranks, descending=True, stable=True)
-    starts = (torch.cumsum(ranks, 0) - ranks)[order]
-    ranks = ranks[order]
+    sorted_ranks, order = torch.sort(ranks, descending=True, stable=True)
+    starts = (torch.cumsum(ranks, 0) - ranks).index_select(0, order)
+    if int(ranks.sum()) < 2**31 - 1:  # int32 offsets: indices built and gathered about 1.3x faster
+        starts = starts.int()
+    ranks = sorted_ranks
     width = int(ranks[0]) if ranks.numel() else 0
     edges = torch.arange(0, width + block, block, device=ranks.device).clamp_(max=width)  # j0 of each block, width
     reach = (ranks[None, :] > edges[:, None]).sum(dim=1).tolist()  # tokens with rank > j0
@@ -119,7 +128,7 @@ def decode_blocks(means_sorted: torch.Tensor, packed: torch.Tensor, basis: torch
     stream = torch.cat((packed.to(dtype), packed.new_zeros(1, dtype=dtype)))
     basis = basis.to(dtype)
     for j0, j1, rows, full in plan.blocks:
-        coefs = stream[plan.index(j0, j1, rows, full)]  # [rows, j1 - j0], zeros past each rank
+        coefs = plan.gather(stream, j0, j1, rows, full)  # [rows, j1 - j0], zeros past each rank
         if dtype == torch.float32:
             means_sorted[:rows].addmm_(coefs, basis[j0:j1])  # [rows, j1 - j0] x [j1 - j0, D]
         else:
