@@ -59,8 +59,9 @@ class VarRateConfig:
         default="materialized",
         metadata={
             "help": "'materialized' (reconstruct the prompt once at the prefill and hold full-length K/V, as the "
-            "paper does: fastest decoding) or 'compact' (hold only the codes and exact tokens, reconstruct a "
-            "layer's K/V at each read: the cache really takes the footprint fraction of memory)."
+            "paper does: fastest decoding) or 'compact' (hold only the codes and exact tokens: the cache really "
+            "takes the footprint fraction of memory; each read rebuilds a layer's K/V, or, under the model's "
+            "'varrate' attention implementation, attends over the codes, about twice as fast)."
         },
     )
     coef_bits: int | None = field(
