@@ -9,7 +9,7 @@ from hf_varrate import VarRateConfig
 from hf_varrate.codec import compress_prompt, decode_prompt, encode_prompt
 from hf_varrate.codec.projection import dense_order, rank_mask
 from hf_varrate.codec.quantization import (
-    dequantize, dequantize_dense, error_bound, pack_bits, quantize, quantize_dense, unpack_bits,
+    dequantize, dequantize_dense, dequantize_runs, error_bound, pack_bits, quantize, quantize_dense, unpack_bits,
 )
 
 from test_codec import make_prompt, random_orthonormal
@@ -92,6 +92,8 @@ def test_dense_quantization_is_bit_identical_to_the_stream_one(bits, group, rank
         assert got.count == expected.count and got.group == group and got.bits == bits
         values = dequantize_dense(expected, layout)
         assert torch.equal(values[layout.mask], dequantize(expected, ranks))
+        if layout.runs is not None:  # straight from the stream, as attention over the codes reads it
+            assert torch.equal(dequantize_runs(expected, layout), dequantize(expected, ranks))
         assert not values[~layout.mask].any()  # zeros past each rank: the dense decode multiplies them
         assert torch.equal(layout.to_stream(dense), x) and torch.equal(layout.from_stream(x)[layout.mask], x)
 

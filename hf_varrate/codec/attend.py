@@ -27,7 +27,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .packing import PromptCode
 from .pipeline import coef_values, code_layout
 from .projection import DenseOrder, RankOrder
-from .quantization import QuantizedCoefs, dequantize_dense
+from .quantization import QuantizedCoefs, dequantize_dense, dequantize_runs
 
 
 def attend_codes(code: PromptCode, query, exact_keys, exact_values, tail_keys, tail_values, cos, sin, basis,
@@ -53,11 +53,10 @@ def attend_codes(code: PromptCode, query, exact_keys, exact_values, tail_keys, t
     q = query.float().reshape(heads, rows, dim)
     pairs = _pair_order(dim, query.device)
     with record_function("varrate.attend_keys"):
-        coefs = _coefs(code, plan)
+        pieces = _pieces(code, plan, mm_dtype)
         if turns is None:
             turns = torch.stack((cos[0, :, : dim // 2], sin[0, :, : dim // 2]), dim=-1).float()
-        keys = _coded_keys(coefs, plan, neighbours, exact_keys, in_exact, anchors, coded, turns, basis_k,
-                           mm_dtype)  # [C, half]
+        keys = _coded_keys(pieces, neighbours, exact_keys, in_exact, anchors, coded, turns, basis_k)  # [C, half]
         scores = torch.cat((_block_scores(keys, q[..., pairs]),
                             torch.matmul(q, exact_keys.float().transpose(1, 2)),
                             torch.matmul(q, tail_keys.float().transpose(1, 2))), dim=-1).mul_(scaling)
@@ -72,13 +71,13 @@ def attend_codes(code: PromptCode, query, exact_keys, exact_values, tail_keys, t
         for targets in in_exact.index_select(0, neighbours.t().reshape(-1)).view(neighbours.shape[1], -1):
             p_exact.index_add_(-1, targets, share)
         out = torch.matmul(p_exact, exact_values.float()) + torch.matmul(p_tail, tail_values.float())
-        mixed = _mix_codes(coefs, plan, p_coded.reshape(heads * rows, n_coded))  # [H * rows, width]
+        mixed = _mix_codes(pieces, p_coded.reshape(heads * rows, n_coded))  # [H * rows, width]
         width = mixed.shape[1]
         out += torch.matmul(mixed.view(heads, rows, width), _rows(basis_v.transpose(0, 1), width).transpose(0, 1))
     return out.view(heads_q, q_len, dim)
 
 
-def _coded_keys(coefs, plan, neighbours, exact_keys, in_exact, anchors, coded, turns, basis_k, mm_dtype):
+def _coded_keys(pieces, neighbours, exact_keys, in_exact, anchors, coded, turns, basis_k):
     """The coded tokens' keys [C, H * d] fp32, post-RoPE, in the plan's order, each head's dims paired
     ((i, i + d/2) adjacent: `_pair_order`), so that RoPE is one complex product. `basis_k` is paired."""
     heads, _, dim = exact_keys.shape
@@ -88,19 +87,12 @@ def _coded_keys(coefs, plan, neighbours, exact_keys, in_exact, anchors, coded, t
     z_anchors = torch.view_as_real(torch.view_as_complex(anchor_keys.view(heads, -1, dim // 2, 2)) * undo)
     z_anchors = z_anchors.transpose(0, 1).reshape(-1, heads * dim)  # [A, H * d], paired, already / c
     keys = F.embedding_bag(neighbours, z_anchors, mode="sum")  # the anchor means [C, H * d]
-    if isinstance(plan, DenseOrder):
-        basis = _rows(basis_k, plan.width)
-        if mm_dtype == torch.float32:
-            keys.addmm_(coefs, basis)
-        else:
-            keys.add_(coefs.to(mm_dtype) @ basis.to(mm_dtype))
-    else:
-        basis = basis_k.to(mm_dtype)
-        for (j0, j1, rows, _), block in zip(plan.blocks, coefs):
-            if mm_dtype == torch.float32:
-                keys[:rows].addmm_(block, basis[j0:j1])
-            else:
-                keys[:rows].add_(block.to(mm_dtype) @ basis[j0:j1])
+    basis = _rows(basis_k, max(j1 for _, _, _, j1, _ in pieces)).to(pieces[0][4].dtype)
+    for r0, r1, j0, j1, coefs in pieces:
+        if coefs.dtype == torch.float32:
+            keys[r0:r1].addmm_(coefs, basis[j0:j1])
+        else:  # bf16 operands; the keys stay fp32
+            keys[r0:r1].add_(coefs @ basis[j0:j1])
     turns = torch.view_as_complex(turns.index_select(0, coded))[:, None]  # [C, 1, d/2]
     torch.view_as_complex(keys.view(-1, heads, dim // 2, 2)).mul_(turns)
     return keys
@@ -117,26 +109,34 @@ def _block_scores(keys, q):
     return scores.t().view(heads, rows, -1)
 
 
-def _mix_codes(coefs, plan, weights):
-    """sum_t p_t c_t for each row of weights [M, C] (coded tokens in the plan's order): [M, width] fp32.
-    In fp32 whatever the projection dtype: M is a few rows, so this product is cheap."""
-    if isinstance(plan, DenseOrder):
-        return weights @ coefs
-    mixed = weights.new_zeros(weights.shape[0], plan.blocks[-1][1])
-    for (j0, j1, rows, _), block in zip(plan.blocks, coefs):
-        mixed[:, j0:j1] += weights[:, :rows] @ block
+def _mix_codes(pieces, weights):
+    """sum_t p_t c_t for each row of weights [M, C] (coded tokens in the plan's order): [M, width] fp32,
+    with the pieces' operand dtype (fp32 accumulation)."""
+    mixed = weights.new_zeros(weights.shape[0], max(j1 for _, _, _, j1, _ in pieces))
+    weights = weights.to(pieces[0][4].dtype)
+    for r0, r1, j0, j1, coefs in pieces:
+        mixed[:, j0:j1] += (weights[:, r0:r1] @ coefs).float()
     return mixed
 
 
-def _coefs(code: PromptCode, plan: RankOrder | DenseOrder):
-    """The coefficients, fp32, read once: [C, width] (dense), or one [rows, j1 - j0] matrix per block."""
-    if isinstance(plan, DenseOrder):
-        if isinstance(code.coefs, QuantizedCoefs):
-            return dequantize_dense(code.coefs, plan)
-        return plan.from_stream(code.coefs, torch.float32)
-    values = coef_values(code)
-    stream = torch.cat((values, values.new_zeros(1)))  # `RankOrder.index` points past a rank at the zero
-    return [plan.gather(stream, *block) for block in plan.blocks]
+def _pieces(code: PromptCode, plan: RankOrder | DenseOrder, dtype: torch.dtype) -> list:
+    """The coefficients as matrices in `dtype`, read once: [(r0, r1, j0, j1, coefs [r1 - r0, j1 - j0])], rows
+    r0:r1 of the plan's order, basis rows j0:j1. Rank blocks (`RankOrder`); each run of equal ranks, straight
+    from the stream, which holds it row-major (`DenseOrder.runs`); else the dense [C, width] matrix."""
+    if isinstance(plan, RankOrder):
+        values = coef_values(code).to(dtype)
+        stream = torch.cat((values, values.new_zeros(1)))  # `RankOrder.index` points past a rank at the zero
+        return [(0, rows, j0, j1, plan.gather(stream, j0, j1, rows, full)) for j0, j1, rows, full in plan.blocks]
+    quantized = isinstance(code.coefs, QuantizedCoefs)
+    if plan.runs is None:
+        dense = dequantize_dense(code.coefs, plan) if quantized else plan.from_stream(code.coefs, torch.float32)
+        return [(0, dense.shape[0], 0, plan.width, dense.to(dtype))]
+    stream = (dequantize_runs(code.coefs, plan) if quantized else code.coefs).to(dtype)
+    pieces, offset = [], 0
+    for first, stop, rank in plan.runs:
+        pieces.append((first, stop, 0, rank, stream[offset : offset + (stop - first) * rank].view(-1, rank)))
+        offset += (stop - first) * rank
+    return pieces
 
 
 _SPLIT = WeakIdKeyDictionary()  # basis -> (scales, keys' basis, values' basis)
