@@ -122,6 +122,7 @@ class VarRateLayer(DynamicLayer):
         return sum(code.stored_exactly for code in self.codes)
 
     def update(self, key_states, value_states, *args, **kwargs):
+        coded_read, self.coded_reads = self.coded_reads, False  # armed by the hook for this forward only
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if not self.prefilled and key_states.shape[-2] > 1:
@@ -134,8 +135,7 @@ class VarRateLayer(DynamicLayer):
             return super().update(key_states, value_states)
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
-        if self.coded_reads:  # good for this forward only: the hook sets it again before the next
-            self.coded_reads = False
+        if coded_read:
             read = CodedRead(self)
             return read, read
         return self._read()

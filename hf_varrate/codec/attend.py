@@ -11,8 +11,9 @@ A coded value is its anchor mean plus a projection, v_t = mean_{a in N(t)} v_a +
 
 the anchors are exact tokens, so their weights join the exact tokens' and the codes are read once,
 as a [rep * Q, C] x [C, r] product per head. Keys are rebuilt (RoPE makes q . k_t depend on t), but
-only their half of the joint vector, token-major and rotated in place with no transposing copy.
-The result equals attention over `decode_prompt`'s reconstruction up to float rounding.
+only their half of the joint vector, token-major, with each head's RoPE pairs adjacent so that the
+rotation is one complex product. The result equals attention over `decode_prompt`'s reconstruction
+up to float rounding.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .packing import PromptCode
 from .pipeline import coef_values, code_layout
-from .projection import DenseOrder, RankOrder
+from .projection import DenseOrder, RankOrder, _padded_basis
 from .quantization import QuantizedCoefs, dequantize_dense, dequantize_runs
 
 
@@ -73,7 +74,8 @@ def attend_codes(code: PromptCode, query, exact_keys, exact_values, tail_keys, t
         out = torch.matmul(p_exact, exact_values.float()) + torch.matmul(p_tail, tail_values.float())
         mixed = _mix_codes(pieces, p_coded.reshape(heads * rows, n_coded))  # [H * rows, width]
         width = mixed.shape[1]
-        out += torch.matmul(mixed.view(heads, rows, width), _rows(basis_v.transpose(0, 1), width).transpose(0, 1))
+        values = _padded_basis(basis_v, width).view(width, heads, dim).transpose(0, 1)  # [H, width, d]
+        out += torch.matmul(mixed.view(heads, rows, width), values)
     return out.view(heads_q, q_len, dim)
 
 
@@ -87,7 +89,7 @@ def _coded_keys(pieces, neighbours, exact_keys, in_exact, anchors, coded, turns,
     z_anchors = torch.view_as_real(torch.view_as_complex(anchor_keys.view(heads, -1, dim // 2, 2)) * undo)
     z_anchors = z_anchors.transpose(0, 1).reshape(-1, heads * dim)  # [A, H * d], paired, already / c
     keys = F.embedding_bag(neighbours, z_anchors, mode="sum")  # the anchor means [C, H * d]
-    basis = _rows(basis_k, max(j1 for _, _, _, j1, _ in pieces)).to(pieces[0][4].dtype)
+    basis = _padded_basis(basis_k, max(j1 for _, _, _, j1, _ in pieces)).to(pieces[0][4].dtype)
     for r0, r1, j0, j1, coefs in pieces:
         if coefs.dtype == torch.float32:
             keys[r0:r1].addmm_(coefs, basis[j0:j1])
@@ -144,7 +146,7 @@ _SPLIT = WeakIdKeyDictionary()  # basis -> (scales, keys' basis, values' basis)
 
 def _split_basis(basis, scales, heads: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The basis [R, D] as attention reads it, divided by the balance `scales` (coded z_t = scaled z_t):
-    the keys' half [R, H * d] with paired dims (`_pair_order`), the values' half [H, R, d]. Computed once
+    the keys' half [R, H * d] with paired dims (`_pair_order`), the values' half [R, H * d]. Computed once
     per resident basis (`Bases.for_layer` and `coding_basis` keep returning the same tensors)."""
     cached = _SPLIT.get(basis)
     if cached is None or cached[0] is not scales:
@@ -153,7 +155,7 @@ def _split_basis(basis, scales, heads: int, dim: int) -> tuple[torch.Tensor, tor
         if scales is not None:
             keys, values = keys / scales[:half], values / scales[half:]
         keys = keys.reshape(-1, heads, dim)[..., _pair_order(dim, basis.device)].reshape(-1, half)
-        cached = _SPLIT[basis] = (scales, keys, values.reshape(-1, heads, dim).transpose(0, 1).contiguous())
+        cached = _SPLIT[basis] = (scales, keys, values)
     return cached[1], cached[2]
 
 
@@ -161,13 +163,6 @@ def _split_basis(basis, scales, heads: int, dim: int) -> tuple[torch.Tensor, tor
 def _pair_order(dim: int, device) -> torch.Tensor:
     """[d] the dims of a head with each RoPE pair (i, i + d/2) adjacent: 0, d/2, 1, d/2 + 1, ..."""
     return torch.arange(dim, device=device).view(2, dim // 2).t().reshape(-1)
-
-
-def _rows(basis: torch.Tensor, width: int) -> torch.Tensor:
-    """basis [R, n] cut or zero-padded to `width` rows."""
-    if width <= basis.shape[0]:
-        return basis[:width]
-    return torch.cat((basis, basis.new_zeros(width - basis.shape[0], basis.shape[1])))
 
 
 def _mask_(scores, mask, prompt_slots, seq_len: int, tail: int, rep: int) -> None:
