@@ -6,6 +6,9 @@ then prefill a long document, then decode a few tokens, sampling the process's r
 to the bytes of the cache's own tensors (`footprint().held_bytes`).
 
     python benchmarks/bench_memory.py                 # SmolLM2 fp32, 4K tokens: full, materialized, compact
+
+A configuration is `full` or `<storage>[-<bits>bit][+codes]`; `+codes` decodes under the "varrate"
+attention implementation (compact layers attend over their codes instead of rebuilding their K/V).
 """
 
 from __future__ import annotations
@@ -77,10 +80,12 @@ def child(config: str, args) -> dict:
     sampler = PeakSampler()
     settle()
     base = sampler.rss()
+    if config.endswith("+codes"):
+        model.set_attn_implementation("varrate")
     if config == "full":
         cache = DynamicCache(config=model.config)
     else:
-        storage, _, bits = config.partition("-")
+        storage, _, bits = config.removesuffix("+codes").partition("-")
         cache = VarRateCache(bases, model=model, budget=args.budget, storage=storage,
                              coef_bits=int(bits.removesuffix("bit")) if bits else None)
     sampler.start()
@@ -117,7 +122,7 @@ def main(argv=None):
     parser.add_argument("--new", type=int, default=8)
     parser.add_argument("--budget", type=float, default=0.2)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--configs", default="full,materialized,compact,compact-4bit")
+    parser.add_argument("--configs", default="full,materialized,compact,compact+codes,compact-4bit,compact-4bit+codes")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="memory")
     args = parser.parse_args(argv)
