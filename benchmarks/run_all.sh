@@ -10,6 +10,8 @@ python bench_prefill.py --plan smollm2-135m-instruct:float32:2048,4096:2,3:1,1 -
 python bench_decode.py --configs full,materialized,compact,compact+codes,compact-4bit,compact-4bit+codes --repeats 5
 python bench_decode.py --configs full,materialized,compact,compact-4bit --threads 2 --out decode_2threads
 python bench_decode.py --preset recommended --configs full,materialized,compact,compact+codes --repeats 5 --out decode_recommended
+python bench_decode.py --dtype bfloat16 --configs full,materialized,compact,compact+codes --out decode_bf16
+python bench_decode.py --model gemma-3-270m --configs full,materialized,compact,compact+codes --out decode_gemma
 python bench_memory.py
 python bench_load.py
 python bench_footprint.py

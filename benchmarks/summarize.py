@@ -41,14 +41,16 @@ def main():
             text = ", ".join(f"{100 * r['overhead']:.1f}%" for r in items)
             rows.append([f"prefill overhead {name} ({versions['args']['before'] if name == 'before' else 'now'}), "
                          f"{versions['args']['model']} fp32 {versions['args']['length']}", text])
-    for name in ("decode", "decode_recommended"):
+    for name in ("decode", "decode_recommended", "decode_bf16", "decode_gemma"):
         decode = load(name)
         if decode:
             rates = decode["tokens_per_second"]
             full = rates["full"]["median"]
             text = ", ".join(f"{name} {r['median']:.2f} ({r['median'] / full:.2f}x)" for name, r in rates.items())
             preset = decode["args"].get("preset", "paper")
-            rows.append([f"decode tok/s at {decode['args']['length']} (vs full), preset {preset}", text])
+            args = decode["args"]
+            rows.append([f"decode tok/s at {args['length']} (vs full), {args['model']} {args['dtype']}, preset {preset}",
+                         text])
     memory = load("memory")
     if memory:
         for r in memory["results"]:
