@@ -151,3 +151,18 @@ def test_real_models_generate_the_same_under_varrate_attention(fixture, request,
                 outs[storage] = model.generate(ids, max_new_tokens=6, do_sample=False, past_key_values=cache,
                                                pad_token_id=0, attention_mask=torch.ones_like(ids))
     assert torch.equal(outs["materialized"], outs["compact"])
+
+
+def test_a_loaded_compact_cache_answers_over_its_codes(tiny_llama, attention, monkeypatch, tmp_path):
+    """Compress once, save, load in a fresh cache and ask (question tokens at once, then decoding) under
+    the "varrate" attention: the answer of the in-memory cache under sdpa."""
+    from test_serialization import answer, compressed
+
+    cache = compressed(tiny_llama, "compact", coef_bits=4)
+    expected = answer(tiny_llama, copy.deepcopy(cache))
+    cache.save_pretrained(tmp_path)
+    hf_varrate.unbind(tiny_llama)
+    loaded = VarRateCache.load(tmp_path, model=tiny_llama)
+    attention(tiny_llama, hf_varrate.ATTENTION)
+    reads_codes(monkeypatch)
+    assert torch.equal(answer(tiny_llama, loaded), expected)
