@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import DynamicLayer
 
+from .attention import CodedRead
 from .bases import Bases
 from .binding import PrefillContext
-from .attention import CodedRead
 from .codec import PromptCode, attend_codes, compress_prompt, decode_prompt
 from .codec.balance import coding_basis, layer_share
 from .codec.projection import matmul_dtype
