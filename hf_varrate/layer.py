@@ -263,12 +263,10 @@ class VarRateLayer(DynamicLayer):
         code = self.codes[0]
         device = self.keys.device
         basis, scales = coding_basis(self.bases, self.layer_idx, self.config.balance, device)
-        args = (self.rope, code.seq_len, self.keys.dtype, device, self._offsets[0])
-        cos, sin = self.memo.tables(*args)
+        turns = self.memo.turns(self.rope, code.seq_len, self.keys.dtype, device, self._offsets[0])
         out = attend_codes(code, query[0], code.exact_keys[0], code.exact_values[0], self.keys[0], self.values[0],
-                           cos, sin, basis, scaling, scales=scales, mask=None if mask is None else mask[0, 0],
-                           softcap=softcap, mm_dtype=matmul_dtype(self.config.projection_dtype, device),
-                           turns=self.memo.turns(*args))
+                           turns, basis, scaling, scales=scales, mask=None if mask is None else mask[0, 0],
+                           softcap=softcap, mm_dtype=matmul_dtype(self.config.projection_dtype, device))
         return out.to(query.dtype).transpose(0, 1).unsqueeze(0).contiguous()
 
     # switching storage -------------------------------------------------------------------------------

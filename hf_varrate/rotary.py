@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .codec.rope import rope_tables, sample_positions
+from .codec.rope import rope_tables, rope_turns, sample_positions
 
 
 @dataclass(frozen=True)
@@ -73,13 +73,10 @@ class RopeMemo:
         return cos[:, offset : offset + length], sin[:, offset : offset + length]
 
     def turns(self, rope: RotaryFrequencies, length: int, dtype: torch.dtype, device, offset: int = 0):
-        """[length, d/2, 2] fp32: (cos, sin) of each RoPE pair at those positions, for rotations as complex
-        products (`codec.attend`); the tables repeat their first half, as `rope_tables` builds them."""
+        """`rope_turns` [length, d/2, 2] of those positions, for rotations as complex products (`codec.attend`)."""
         self.tables(rope, offset + length, dtype, device)
         if self._turns is None:  # from the whole tables, which may reach past offset + length
-            cos, sin = self._tables
-            half = cos.shape[-1] // 2
-            self._turns = torch.stack((cos[0, :, :half], sin[0, :, :half]), dim=-1).float()
+            self._turns = rope_turns(*self._tables)
         return self._turns[offset : offset + length]
 
     def clear(self) -> None:

@@ -2,8 +2,9 @@
 rebuilding its values (compact storage's fast read).
 
 Shapes: query [Hq, Q, d]; exact_keys, exact_values [H, E, d] post-RoPE; tail_keys, tail_values [H, T, d]
-(the tokens appended after the prefill); cos, sin [1, S, d]; basis [R, D] fp32; scores and weights
-[H, rep * Q, N] with the query heads that share a KV head stacked (rep = Hq / H, as `repeat_kv`).
+(the tokens appended after the prefill); turns [S, d/2, 2] (`rope.rope_turns`); basis [R, D] fp32;
+scores and weights [H, rep * Q, N] with the query heads that share a KV head stacked (rep = Hq / H,
+as `repeat_kv`).
 
 A coded value is its anchor mean plus a projection, v_t = mean_{a in N(t)} v_a + (c_t V)_v / s_v, so
 
@@ -26,21 +27,20 @@ from torch.profiler import record_function
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .packing import PromptCode
-from .pipeline import coef_values, code_layout
+from .pipeline import code_layout, coef_values, dense_coef_values
 from .projection import DenseOrder, RankOrder, _padded_basis
-from .quantization import QuantizedCoefs, dequantize_dense, dequantize_runs
+from .quantization import QuantizedCoefs, dequantize_runs
 
 
-def attend_codes(code: PromptCode, query, exact_keys, exact_values, tail_keys, tail_values, cos, sin, basis,
-                 scaling: float, *, scales=None, mask=None, softcap=None, mm_dtype: torch.dtype = torch.float32,
-                 turns: torch.Tensor | None = None) -> torch.Tensor:
+def attend_codes(code: PromptCode, query, exact_keys, exact_values, tail_keys, tail_values, turns, basis,
+                 scaling: float, *, scales=None, mask=None, softcap=None,
+                 mm_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Softmax attention of `query` over the whole prompt (coded + exact tokens) then the tail.
 
     `mask`: None (every prompt token visible; tail token j visible to query i iff j <= T - Q + i) or
     [Q, S + T] bool (True: attend) / additive float over the cache slots (prompt slots, then the tail),
-    as the model's attention mask gives it. `cos`, `sin` must repeat their first half (as `rope_tables`
-    builds them); `turns` [S, d/2, 2] is their first halves stacked (`RopeMemo.turns`; None: built here).
-    Returns [Hq, Q, d] fp32."""
+    as the model's attention mask gives it. `turns`: the prompt positions' RoPE (cos, sin) pairs
+    (`rope.rope_turns`, or `RopeMemo.turns`, which keeps them for a forward). Returns [Hq, Q, d] fp32."""
     plan = code_layout(code)
     heads_q, q_len, dim = query.shape
     heads = exact_keys.shape[0]
@@ -55,8 +55,6 @@ def attend_codes(code: PromptCode, query, exact_keys, exact_values, tail_keys, t
     pairs = _pair_order(dim, query.device)
     with record_function("varrate.attend_keys"):
         pieces = _pieces(code, plan, mm_dtype)
-        if turns is None:
-            turns = torch.stack((cos[0, :, : dim // 2], sin[0, :, : dim // 2]), dim=-1).float()
         keys = _coded_keys(pieces, neighbours, exact_keys, in_exact, anchors, coded, turns, basis_k)  # [C, half]
         scores = torch.cat((_block_scores(keys, q[..., pairs]),
                             torch.matmul(q, exact_keys.float().transpose(1, 2)),
@@ -129,10 +127,10 @@ def _pieces(code: PromptCode, plan: RankOrder | DenseOrder, dtype: torch.dtype) 
         values = coef_values(code).to(dtype)
         stream = torch.cat((values, values.new_zeros(1)))  # `RankOrder.index` points past a rank at the zero
         return [(0, rows, j0, j1, plan.gather(stream, j0, j1, rows, full)) for j0, j1, rows, full in plan.blocks]
-    quantized = isinstance(code.coefs, QuantizedCoefs)
     if plan.runs is None:
-        dense = dequantize_dense(code.coefs, plan) if quantized else plan.from_stream(code.coefs, torch.float32)
+        dense = dense_coef_values(code, plan)
         return [(0, dense.shape[0], 0, plan.width, dense.to(dtype))]
+    quantized = isinstance(code.coefs, QuantizedCoefs)
     stream = (dequantize_runs(code.coefs, plan) if quantized else code.coefs).to(dtype)
     pieces, offset = [], 0
     for first, stop, rank in plan.runs:

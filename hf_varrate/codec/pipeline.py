@@ -181,6 +181,13 @@ def coef_values(code: PromptCode) -> torch.Tensor:
     return code.coefs.float()
 
 
+def dense_coef_values(code: PromptCode, plan: DenseOrder) -> torch.Tensor:
+    """`coef_values` in the dense layout: [C, width] fp32, zeros past each token's rank."""
+    if isinstance(code.coefs, QuantizedCoefs):
+        return dequantize_dense(code.coefs, plan)
+    return plan.from_stream(code.coefs, torch.float32)
+
+
 def _joint(keys, values, cos, sin, positions, scales):
     z = joint_rows(keys, values, cos, sin, positions)
     return z if scales is None else z.mul_(scales)
@@ -195,11 +202,7 @@ def _reconstruct(code, plan: RankOrder | DenseOrder, coded, means, basis, keys, 
     per half moves it to the head-major layout, where the keys are re-rotated plane by plane. This
     runs about 2x faster than scattering C rows across H strided head planes."""
     if isinstance(plan, DenseOrder):
-        if isinstance(code.coefs, QuantizedCoefs):
-            coefs = dequantize_dense(code.coefs, plan)
-        else:
-            coefs = plan.from_stream(code.coefs, torch.float32)
-        z_hat = decode_dense(means, coefs, basis, plan, mm_dtype)  # [C, D] fp32
+        z_hat = decode_dense(means, dense_coef_values(code, plan), basis, plan, mm_dtype)  # [C, D] fp32
     else:
         z_hat = decode_blocks(means, coef_values(code), basis, plan, mm_dtype)
     if scales is not None:

@@ -78,6 +78,13 @@ def _rotate_(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return keys
 
 
+def rope_turns(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """(cos, sin) [1, S, d] -> [S, d/2, 2] fp32: each RoPE pair's (cos, sin), viewable as complex rotations
+    (`torch.view_as_complex`). The tables must repeat their first half, as `rope_tables` builds them."""
+    half = cos.shape[-1] // 2
+    return torch.stack((cos[0, :, :half], sin[0, :, :half]), dim=-1).float()
+
+
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype):
     """cos, sin [1, n, d] at `positions` [n], computed the way transformers' rotary embeddings compute
     them (fp32 angles, cat(freqs, freqs), cos * attention_scaling, cast last). Whether they match a
