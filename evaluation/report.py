@@ -71,7 +71,29 @@ def compare(rows: list[dict], pairs: list[list[str]], samples: int = 20_000) -> 
             result = paired_comparison(sb, sa, samples=samples) if nll else paired_comparison(
                 [100 * x for x in sa], [100 * x for x in sb], samples=samples)
             out.append({**dict(zip(CELL, cell)), "a": a, "b": b, "unit": "nll" if nll else "points",
-                        **result.to_dict()})
+                        **result.to_dict(), "fraction_a": _mean_fraction(methods[a], ids),
+                        "fraction_b": _mean_fraction(methods[b], ids)})
+    return out
+
+
+def needle_ranks(rows: list[dict], bins: int = 5) -> list[dict]:
+    """Needle score by the (asked) needle's depth, beside the mean rank the codec gave the decile of the
+    prompt that holds it (`rank_by_decile`): where the needle sits against where the rank went. One row
+    per (cell, method with a rank profile, depth bin); depth bin k covers [k / bins, (k + 1) / bins).
+    `coded` counts the rows whose prompt was coded (the rank averages over those; None if none was)."""
+    groups: dict = defaultdict(list)
+    for row in rows:
+        if row["task"].startswith("niah") and row.get("rank_by_decile") and row.get("depth") is not None:
+            k = min(int(row["depth"] * bins), bins - 1)
+            groups[(*(row[c] for c in CELL), row["method"], k)].append(row)
+    out = []
+    for key, rs in sorted(groups.items(), key=lambda kv: tuple(map(str, kv[0]))):
+        ranks = [r["rank_by_decile"][min(int(r["depth"] * 10), 9)] for r in rs]
+        ranks = [rank for rank in ranks if rank is not None]  # None: that prompt was stored exactly
+        out.append({**dict(zip((*CELL, "method"), key[:-1])), "depth_low": key[-1] / bins,
+                    "depth_high": (key[-1] + 1) / bins, "n": len(rs),
+                    "score": 100 * float(np.mean([r["score"] for r in rs])),
+                    "rank_at_needle": float(np.mean(ranks)) if ranks else None, "coded": len(ranks)})
     return out
 
 
@@ -114,13 +136,34 @@ def markdown_summary(table: list[dict]) -> str:
 
 
 def markdown_comparisons(comparisons: list[dict]) -> str:
-    lines = ["| model | task | length | regime | A vs B | n | mean diff [95% CI] | W/L/T | sign p | verdict |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | task | length | regime | A vs B | footprint A / B | n | mean diff [95% CI] | W/L/T | sign p | "
+             "verdict |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in comparisons:
-        lines.append(f"| {c['model']} | {c['task']} | {c['length']} | {c['regime']} | {c['a']} vs {c['b']} | {c['n']} | "
+        lines.append(f"| {c['model']} | {c['task']} | {c['length']} | {c['regime']} | {c['a']} vs {c['b']} | "
+                     f"{100 * c['fraction_a']:.1f}% / {100 * c['fraction_b']:.1f}% | {c['n']} | "
                      f"{c['mean_diff']:+.3f} [{c['ci_low']:+.3f}, {c['ci_high']:+.3f}] {c['unit']} | "
                      f"{c['wins']}/{c['losses']}/{c['ties']} | {c['sign_p']:.3g} | {c['verdict']} |")
     return "\n".join(lines)
+
+
+def markdown_needle_ranks(needle_rows: list[dict]) -> str:
+    """One line per (cell, method): score % (mean rank at the needle's decile) per depth bin."""
+    if not needle_rows:
+        return "No needle rows with a rank profile yet."
+    lines: dict = {}
+    edges: set = set()
+    for r in needle_rows:
+        edge = (r["depth_low"], r["depth_high"])
+        edges.add(edge)
+        lines.setdefault(tuple(r[k] for k in (*CELL, "method")), {})[edge] = r
+    edges = sorted(edges)
+    out = ["| model | task | length | regime | method | "
+           + " | ".join(f"depth {low:.1f}-{high:.1f}" for low, high in edges) + " |",
+           "|---|---|---|---|---|" + "---|" * len(edges)]
+    for key, by_edge in lines.items():
+        cells_ = [_needle_cell(by_edge[e]) if e in by_edge else "" for e in edges]
+        out.append("| " + " | ".join(map(str, key)) + " | " + " | ".join(cells_) + " |")
+    return "\n".join(out)
 
 
 def markdown_progress(progress_rows: list[dict]) -> str:
@@ -138,6 +181,19 @@ def _fraction(r: dict) -> str:
     if abs(r["fraction"] - r["fraction_full_attention"]) < 1e-6:
         return f"{100 * r['fraction']:.2f}%{fp16}"
     return f"{100 * r['fraction']:.2f}% ({100 * r['fraction_full_attention']:.2f}% of global layers){fp16}"
+
+
+def _needle_cell(r: dict) -> str:
+    if r["rank_at_needle"] is None:
+        rank = "stored exactly"
+    else:
+        rank = f"{r['rank_at_needle']:.0f}" + (f", {r['coded']} coded" if r["coded"] < r["n"] else "")
+    return f"{r['score']:.0f}% ({rank}; n = {r['n']})"
+
+
+def _mean_fraction(by_id: dict, ids: list) -> float:
+    """The mean measured footprint of a method's rows for these examples."""
+    return float(np.mean([by_id[i]["fraction"] for i in ids]))
 
 
 def _mean_or_none(values: list) -> float | None:

@@ -75,14 +75,21 @@ def write_report(config, out: Path, config_path: str) -> None:
     table = report.summarize(rows, config.bootstrap_samples)
     comparisons = report.compare(rows, config.comparisons, config.bootstrap_samples)
     progress = report.progress(rows, config)
+    needle = report.needle_ranks(rows)
     report.write_csv(out / "summary.csv", table)
+    report.write_csv(out / "needle_ranks.csv", needle)
     report.write_csv(out / "comparisons.csv", comparisons)
     report.write_csv(out / "progress.csv", progress)
     text = [f"# Evaluation `{config.name}`", "", f"Config: `{config_path}`. Rows: {len(rows)}.", "",
             "## Scores", "", report.markdown_summary(table), "", "## Paired comparisons (A - B)", "",
             "A comparison counts only when the 95% bootstrap CI excludes zero (verdict better/worse); "
-            "otherwise it is a tie.", "", report.markdown_comparisons(comparisons), "", "## Not yet run", "",
-            report.markdown_progress(progress), ""]
+            "otherwise it is a tie. Footprints are the two methods' measured bytes on the paired examples: a "
+            "method that stored the prompt exactly (100%) is not compressing.", "",
+            report.markdown_comparisons(comparisons), "",
+            "## Needle depth: where the needle sits against where the rank went", "",
+            "Score (mean rank the codec gave the tenth of the prompt that holds the asked needle; n) per depth "
+            "bin, for methods with a rank profile.", "", report.markdown_needle_ranks(needle), "",
+            "## Not yet run", "", report.markdown_progress(progress), ""]
     (out / "summary.md").write_text("\n".join(text))
     figures = out / "plots"
     figures.mkdir(exist_ok=True)

@@ -67,6 +67,40 @@ def test_paired_comparison_empty_is_nan():
     assert result.n == 0 and math.isnan(result.mean_diff) and result.verdict == "tie"
 
 
+# report ---------------------------------------------------------------------------------------------
+def _needle_row(method, example, score, depth, fraction, ranks=None):
+    return {"model": "m", "task": "niah_single", "length": 2048, "regime": "query_agnostic", "method": method,
+            "example_id": example, "score": score, "depth": depth, "fraction": fraction, "metric": "all",
+            **({"rank_by_decile": ranks} if ranks else {})}
+
+
+def test_comparisons_carry_each_methods_measured_footprint():
+    from evaluation.report import compare, markdown_comparisons
+    rows = [_needle_row("a", i, 1.0, 0.5, 1.0) for i in range(4)]  # 'a' stored its prompts exactly
+    rows += [_needle_row("b", i, 0.0, 0.5, 0.1 + 0.02 * i) for i in range(3)]  # one example fewer
+    pooled_and_cell = compare(rows, [["a", "b"]], samples=200)
+    assert {c["task"] for c in pooled_and_cell} == {"niah_single", "niah (pooled)"}
+    for c in pooled_and_cell:
+        assert c["n"] == 3 and c["fraction_a"] == 1.0 and c["fraction_b"] == pytest.approx(0.12)
+    assert "| 100.0% / 12.0% |" in markdown_comparisons(pooled_and_cell)
+
+
+def test_needle_ranks_put_each_needles_score_beside_the_rank_at_its_decile():
+    from evaluation.report import markdown_needle_ranks, needle_ranks
+    profile = [10.0 * (k + 1) for k in range(10)]  # decile k got rank 10 (k + 1)
+    rows = [_needle_row("v", 0, 1.0, 0.1, 0.2, profile), _needle_row("v", 1, 0.0, 0.15, 0.2, profile),
+            _needle_row("v", 2, 1.0, 0.95, 0.2, profile), _needle_row("full", 0, 1.0, 0.1, 1.0),  # no profile
+            _needle_row("x", 0, 1.0, 0.5, 1.0, [None] * 10)]  # stored exactly: a profile of Nones
+    table = needle_ranks(rows)
+    assert [(r["method"], r["depth_low"], r["n"]) for r in table] == [("v", 0.0, 2), ("v", 0.8, 1), ("x", 0.4, 1)]
+    assert table[2]["rank_at_needle"] is None and table[2]["coded"] == 0
+    assert table[0]["score"] == 50.0 and table[0]["rank_at_needle"] == 20.0  # deciles 1 and 1
+    assert table[1]["score"] == 100.0 and table[1]["rank_at_needle"] == 100.0
+    text = markdown_needle_ranks(table)
+    assert "| depth 0.0-0.2 | depth 0.4-0.6 | depth 0.8-1.0 |" in text
+    assert "| 50% (20; n = 2) |  | 100% (100; n = 1) |" in text and "| 100% (stored exactly; n = 1) |" in text
+
+
 # VarRatePress import contract -----------------------------------------------------------------------
 def test_press_module_imports_without_kvpress_and_names_the_install(monkeypatch):
     import sys
