@@ -134,6 +134,7 @@ class VarRateCache(Cache):
         self.rope_memo = memo
         self._last_varrate = max((i for i, layer in enumerate(layers) if isinstance(layer, VarRateLayer)), default=-1)
         self._warned_exact = False
+        self._warned_rebuilds = False  # `binding.prefill_hook`: compact storage read under another attention
 
     @classmethod
     def from_pretrained(cls, path_or_repo_id, model, *, preset: str = "recommended", revision=None, cache_dir=None,

@@ -2,13 +2,14 @@
 its reconstruction, and everything else is sdpa."""
 
 import copy
+import warnings
 
 import pytest
 import torch
 from transformers import DynamicCache
 
 import hf_varrate
-from hf_varrate import Bases, VarRateCache, VarRateConfig, VarRateLayer
+from hf_varrate import Bases, VarRateCache, VarRateConfig, VarRateLayer, VarRateWarning
 from hf_varrate.attention import CodedRead
 
 from test_beyond import calibrated_like
@@ -133,6 +134,31 @@ def test_an_unbound_model_never_gets_a_coded_read(tiny_llama, attention):
                                 torch.zeros(1, *layer.values.shape[1:2], 1, layer.values.shape[-1]))
     assert torch.is_tensor(keys) and not isinstance(keys, CodedRead)
     assert keys.shape[-2] == layer.get_seq_length()
+
+
+def test_compact_storage_under_sdpa_says_once_how_to_read_the_codes(tiny_llama, attention):
+    """A compact cache decoded under sdpa rebuilds its K/V at every step: one VarRateWarning per cache names
+    the fix; under the "varrate" attention, in materialized storage and for a padded batch (which falls
+    back to the rebuild anyway) there is nothing to say."""
+    ids = prompt(tiny_llama, 300)
+
+    def decode_twice(cache, batch=ids):
+        with torch.no_grad():
+            tiny_llama(batch[:, :-2], past_key_values=cache)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for i in (-2, -1):
+                    tiny_llama(batch[:, i:][:, :1], past_key_values=cache)
+        return [w for w in caught if issubclass(w.category, VarRateWarning)]
+
+    attention(tiny_llama, "sdpa")
+    said = decode_twice(compact(tiny_llama))
+    assert len(said) == 1 and "set_attn_implementation('varrate')" in str(said[0].message)
+    assert "attn_implementation='sdpa'" in str(said[0].message)
+    assert decode_twice(compact(tiny_llama, storage="materialized")) == []
+    assert decode_twice(compact(tiny_llama), batch=ids.repeat(2, 1)) == []
+    attention(tiny_llama, hf_varrate.ATTENTION)
+    assert decode_twice(compact(tiny_llama)) == []
 
 
 @pytest.mark.parametrize("fixture", ["smollm2", "gemma3"])
