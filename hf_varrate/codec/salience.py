@@ -56,6 +56,8 @@ def minmax(scores: torch.Tensor) -> torch.Tensor:
     low, high = s.min(), s.max()
     if not bool(high > low):
         return torch.ones_like(s)
+    if not bool(torch.isfinite(high - low)):  # the span overflows fp32 (scores near its max): halve (exact for normals)
+        s, low, high = s / 2, low / 2, high / 2
     return (s - low) / (high - low)
 
 
