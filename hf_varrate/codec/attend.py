@@ -124,9 +124,7 @@ def _pieces(code: PromptCode, plan: RankOrder | DenseOrder, dtype: torch.dtype) 
     r0:r1 of the plan's order, basis rows j0:j1. Rank blocks (`RankOrder`); each run of equal ranks, straight
     from the stream, which holds it row-major (`DenseOrder.runs`); else the dense [C, width] matrix."""
     if isinstance(plan, RankOrder):
-        values = coef_values(code).to(dtype)
-        stream = torch.cat((values, values.new_zeros(1)))  # `RankOrder.index` points past a rank at the zero
-        return [(0, rows, j0, j1, plan.gather(stream, j0, j1, rows, full)) for j0, j1, rows, full in plan.blocks]
+        return [(0, rows, j0, j1, coefs) for j0, j1, rows, coefs in plan.block_coefs(coef_values(code), dtype)]
     if plan.runs is None:
         dense = dense_coef_values(code, plan)
         return [(0, dense.shape[0], 0, plan.width, dense.to(dtype))]

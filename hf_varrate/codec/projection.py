@@ -74,11 +74,16 @@ class RankOrder:
             tail.masked_fill_(cols[None, :] >= self.ranks[full:rows, None], self.total)
         return index
 
-    def gather(self, stream: torch.Tensor, j0: int, j1: int, rows: int, full: int) -> torch.Tensor:
-        """A block's coefficients [rows, j1 - j0] from `stream` (the packed stream plus one zero at its end),
-        `stream[index]` by index_select, about 2x faster than advanced indexing or take."""
-        index = self.index(j0, j1, rows, full)
-        return stream.index_select(0, index.view(-1)).view(index.shape)
+    def block_coefs(self, packed: torch.Tensor, dtype: torch.dtype) -> list[tuple[int, int, int, torch.Tensor]]:
+        """Each block's coefficients as a matrix: [(j0, j1, rows, coefs [rows, j1 - j0] in `dtype`, zeros past
+        each rank)] from the packed stream [sum(ranks)], gathered by index_select (about 2x faster than
+        advanced indexing or take)."""
+        stream = torch.cat((packed.to(dtype), packed.new_zeros(1, dtype=dtype)))  # `index` points past a rank here
+        out = []
+        for j0, j1, rows, full in self.blocks:
+            index = self.index(j0, j1, rows, full)
+            out.append((j0, j1, rows, stream.index_select(0, index.view(-1)).view(index.shape)))
+        return out
 
 
 def rank_order(ranks: torch.Tensor, block: int = BLOCK, merge: float = 0.7) -> RankOrder:
@@ -125,10 +130,8 @@ def encode_blocks(residuals_sorted: torch.Tensor, basis: torch.Tensor, plan: Ran
 def decode_blocks(means_sorted: torch.Tensor, packed: torch.Tensor, basis: torch.Tensor, plan: RankOrder,
                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Eq. 6: z-hat = z-bar + V[:r]^T c[:r], in place on means [C, D] fp32 (rows in `plan.order`)."""
-    stream = torch.cat((packed.to(dtype), packed.new_zeros(1, dtype=dtype)))
     basis = basis.to(dtype)
-    for j0, j1, rows, full in plan.blocks:
-        coefs = plan.gather(stream, j0, j1, rows, full)  # [rows, j1 - j0], zeros past each rank
+    for j0, j1, rows, coefs in plan.block_coefs(packed, dtype):  # coefs [rows, j1 - j0]
         if dtype == torch.float32:
             means_sorted[:rows].addmm_(coefs, basis[j0:j1])  # [rows, j1 - j0] x [j1 - j0, D]
         else:
