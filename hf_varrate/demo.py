@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.util
+import inspect
 import json
 import random
 import time
@@ -74,7 +75,7 @@ def answer(model, tokenizer, cache, doc_ids, question_ids, max_new_tokens=10) ->
     ids = torch.tensor([doc_ids + question_ids])
     start = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=copy.deepcopy(cache),
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **{cache_kwarg(model): copy.deepcopy(cache)},
                              max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip(), time.perf_counter() - start
 
@@ -82,8 +83,14 @@ def answer(model, tokenizer, cache, doc_ids, question_ids, max_new_tokens=10) ->
 def prefill(model, cache, doc_ids) -> float:
     start = time.perf_counter()
     with torch.no_grad():
-        model(torch.tensor([doc_ids]), past_key_values=cache)
+        model(torch.tensor([doc_ids]), **{cache_kwarg(model): cache})
     return time.perf_counter() - start
+
+
+def cache_kwarg(model) -> str:
+    """The name the model's forward (and so generate) takes the cache by: transformers 5.24 renamed
+    `past_key_values` to `cache` (the old name still works, with a FutureWarning, until 6.0)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def main(argv=None) -> int:

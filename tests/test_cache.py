@@ -176,3 +176,18 @@ def test_gemma3_keeps_sliding_layers_and_compresses_full_ones(tiny_gemma3):
     fp = cache.footprint()
     assert {layer.kind for layer in fp.layers} == {"sliding", "varrate"}
     assert all(layer.fraction < 0.45 for layer in fp.layers if layer.kind == "varrate")
+
+
+def test_the_demo_hands_the_cache_over_by_the_name_this_transformers_takes(tiny_llama):
+    """transformers 5.24 renamed generate's past_key_values= to cache= (the old name warns until 6.0, the new
+    one fails before 5.24): `demo.cache_kwarg` picks the one that works here, without a warning."""
+    from hf_varrate.demo import cache_kwarg
+
+    ids = prompt(tiny_llama)
+    cache = make_cache(tiny_llama, budget=0.4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        with torch.no_grad():
+            tiny_llama.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0,
+                                **{cache_kwarg(tiny_llama): cache})
+    assert cache.get_seq_length() == ids.shape[1] + 2 and cache.footprint().fraction < 1
