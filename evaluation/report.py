@@ -77,8 +77,9 @@ def compare(rows: list[dict], pairs: list[list[str]], samples: int = 20_000) -> 
 
 
 def needle_ranks(rows: list[dict], bins: int = 5) -> list[dict]:
-    """Needle score by the (asked) needle's depth, beside the mean rank the codec gave the decile of the
-    prompt that holds it (`rank_by_decile`): where the needle sits against where the rank went. One row
+    """Needle score by the (asked) needle's depth, beside the mean rank the codec gave the tenth of the
+    prompt at that depth (`rank_by_decile`; depths are fractions of the document, which is all of the
+    prompt but a few dozen template tokens): where the needle sits against where the rank went. One row
     per (cell, method with a rank profile, depth bin); depth bin k covers [k / bins, (k + 1) / bins).
     `coded` counts the rows whose prompt was coded (the rank averages over those; None if none was)."""
     groups: dict = defaultdict(list)
