@@ -279,6 +279,41 @@ def test_kivi_replay_equals_live_and_is_counted_in_real_bytes(smollm2):
 
 @pytest.mark.eval
 @needs_kvpress
+def test_kivi_with_per_channel_keys_quantizes_whole_groups_and_keeps_the_rest_exact(smollm2):
+    """KIVI's layout (keys per channel): quanto needs whole groups of 64 tokens, so a 300-token prefill
+    quantizes 256 and keeps 44 in the full-precision residual; at 256 tokens it equals a live prefill."""
+    from transformers import QuantizedCache
+
+    from evaluation.methods import make_method
+
+    model, tokenizer = smollm2
+    spec = {"kind": "kivi", "nbits": 2, "axis_key": -1, "axis_value": 0}
+    ids = _prompt(tokenizer)
+    ctx = _context(model, tokenizer, ids)
+    channel = make_method("c", spec).compress(ctx).cache
+    token = make_method("t", {"kind": "kivi", "nbits": 2}).compress(ctx).cache
+    errors = {}
+    for name, cache in (("channel", channel), ("token", token)):
+        errors[name] = 0.0
+        for layer, keys in zip(cache.layers, ctx.captured.keys):
+            quantized = layer._dequantize(layer._quantized_keys)
+            n = quantized.shape[-2]
+            errors[name] += float((quantized - keys[..., :n, :]).norm() / keys[..., :n, :].norm())
+    layer = channel.layers[0]
+    assert layer._dequantize(layer._quantized_keys).shape[-2] == 256 and layer.keys.shape[-2] == 44
+    torch.testing.assert_close(layer.keys, ctx.captured.keys[0][..., 256:, :])  # the residual is exact
+    assert errors["channel"] < 0.6 * errors["token"]  # 0.23 vs 0.62 on average over the layers
+    ids = ids[:256]
+    replay = make_method("c", spec).compress(_context(model, tokenizer, ids)).cache
+    live = QuantizedCache(backend="quanto", config=model.config, nbits=2, axis_key=-1, axis_value=0)
+    with torch.no_grad():
+        model.model(input_ids=torch.tensor([ids]), past_key_values=live)
+    for a, b in zip(replay.layers, live.layers):
+        torch.testing.assert_close(a._dequantize(a._quantized_keys), b._dequantize(b._quantized_keys))
+
+
+@pytest.mark.eval
+@needs_kvpress
 def test_varrate_press_in_kvpress_pipeline_matches_varrate_cache(smollm2):
     import kvpress  # noqa: F401  (importing kvpress registers the "kv-press-text-generation" pipeline)
     from transformers import pipeline
