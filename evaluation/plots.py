@@ -99,24 +99,35 @@ def accuracy_vs_cost(table: list[dict], out: Path) -> list[Path]:
 
 
 def rank_by_position(rows: list[dict], out: Path, r_min: int = 16) -> list[Path]:
+    """The paper's Figure 7: mean allocated rank by position decile, one panel per regime, one curve per
+    method (over every task's rows, needles and perplexity; prompts stored exactly have no ranks and are
+    left out)."""
     plt, paths = _plt(), []
     curves = defaultdict(list)
     for row in rows:
-        if row.get("rank_by_decile"):
-            curves[(row["model"], row["method"], row["regime"])].append(row["rank_by_decile"])
+        if row.get("rank_by_decile") and any(r is not None for r in row["rank_by_decile"]):
+            curves[(row["model"], row["regime"], row["method"])].append(row["rank_by_decile"])
     for model in sorted({k[0] for k in curves}):
-        fig, ax = plt.subplots(figsize=(6.5, 4.2))
-        for (m, method, regime), vals in sorted(curves.items()):
-            if m == model:
+        regimes = sorted({k[1] for k in curves if k[0] == model})
+        fig, axes = plt.subplots(1, len(regimes), figsize=(5.2 * len(regimes) + 2.4, 4.2), sharey=True, squeeze=False)
+        methods = sorted({k[2] for k in curves if k[0] == model})
+        colors = dict(zip(methods, plt.get_cmap("tab20").colors))  # one colour per method, in both panels
+        for ax, regime in zip(axes[0], regimes):
+            for method in methods:
+                vals = curves.get((model, regime, method))
+                if not vals:
+                    continue
                 with warnings.catch_warnings():  # a decile with no coded token (the exact window) is NaN
                     warnings.simplefilter("ignore", RuntimeWarning)
                     curve = np.nanmean(np.array(vals, dtype=float), axis=0)
-                ax.plot(range(10), curve, marker="o", label=f"{method} · {regime} (n={len(vals)})")
-        ax.axhline(r_min, color="gray", ls=":", label=f"r_min = {r_min}")
-        ax.set(xlabel="position decile of the compressed prompt (0 = start)", ylabel="mean allocated rank",
-               title=f"{model}: where the rank budget goes")
-        ax.legend(fontsize=6)
-        fig.tight_layout()
+                ax.plot(range(10), curve, marker="o", ms=3, color=colors[method], label=method)
+            ax.axhline(r_min, color="gray", ls=":", label=f"r_min = {r_min}")
+            ax.set(xlabel="position decile of the compressed prompt (0 = start)", title=regime.replace("_", "-"))
+        axes[0][0].set_ylabel("mean allocated rank")
+        handles = {label: h for ax in axes[0] for h, label in zip(*ax.get_legend_handles_labels())}
+        fig.legend(handles.values(), handles.keys(), loc="center right", fontsize=7)
+        fig.suptitle(f"{model}: where the rank budget goes")
+        fig.tight_layout(rect=(0, 0, 1 - 2.4 / (5.2 * len(regimes) + 2.4), 1))
         paths.append(out / f"rank_by_position_{model}.png")
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
