@@ -88,7 +88,7 @@ def prefill_hook(module, args, kwargs):
     Public so that a harness replaying a captured prefill into a VarRateCache layer by layer can call it
     with the kwargs the attention module would get (`hidden_states`, `position_embeddings`,
     `past_key_values`, `attention_mask`) before each `cache.update`, as `evaluation/` does."""
-    from .cache import VarRateCache, VarRateLayer, VarRateWarning
+    from .cache import VarRateCache, VarRateLayer
 
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if not isinstance(cache, VarRateCache):
@@ -105,13 +105,8 @@ def prefill_hook(module, args, kwargs):
     if isinstance(layer, VarRateLayer):  # compact reads go through the codes only if the attention reads them
         attention = getattr(getattr(module, "config", None), "_attn_implementation", None)
         layer.coded_reads = attention == ATTENTION
-        if not layer.coded_reads and not cache._warned_rebuilds and layer.compact and layer.attends_codes(None):
-            cache._warned_rebuilds = True
-            warnings.warn(
-                f"storage='compact' under attn_implementation={attention!r} rebuilds every layer's K/V from its codes "
-                f"at each step; model.set_attn_implementation('varrate') (registered by hf_varrate; sdpa for "
-                f"everything else) attends over the codes instead: the same attention up to float rounding, about "
-                f"1.7x faster decoding at 4K tokens (README, 'Speed and memory')", VarRateWarning, stacklevel=2)
+        if not layer.coded_reads:
+            _say_the_codes_could_be_read(cache, layer, attention)
     if not isinstance(layer, VarRateLayer) or not layer.awaits_prefill or hidden.shape[1] <= 1:
         return None
     cos, sin = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]
@@ -121,6 +116,20 @@ def prefill_hook(module, args, kwargs):
     valid = key_padding(kwargs.get("attention_mask"), hidden.shape[0], hidden.shape[1])
     layer.prefill_context = PrefillContext(queries, cos, sin, attention_scale(module), valid)
     return None
+
+
+def _say_the_codes_could_be_read(cache, layer, attention) -> None:
+    """Once per cache: a compact layer whose codes the "varrate" attention would read is rebuilt instead."""
+    if getattr(cache, "_warned_rebuilds", False) or not layer.compact or not layer.attends_codes(None):
+        return  # getattr: a cache pickled before the flag existed
+    from .cache import VarRateWarning
+
+    cache._warned_rebuilds = True
+    warnings.warn(
+        f"storage='compact' under attn_implementation={attention!r} rebuilds every layer's K/V from its codes at "
+        f"each step; model.set_attn_implementation('varrate') (registered by hf_varrate; sdpa for everything "
+        f"else) attends over the codes instead: the same attention up to float rounding, about 1.7x faster "
+        f"decoding at 4K tokens (README, 'Speed and memory')", VarRateWarning, stacklevel=3)
 
 
 def check_fits(shape, layer_idx: int, *, num_layers: int | None = None, num_kv_heads: int | None = None,
