@@ -111,7 +111,8 @@ def rank_by_position(rows: list[dict], out: Path, r_min: int = 16) -> list[Path]
         regimes = sorted({k[1] for k in curves if k[0] == model})
         fig, axes = plt.subplots(1, len(regimes), figsize=(5.2 * len(regimes) + 2.4, 4.2), sharey=True, squeeze=False)
         methods = sorted({k[2] for k in curves if k[0] == model})
-        colors = dict(zip(methods, plt.get_cmap("tab20").colors))  # one colour per method, in both panels
+        palette = plt.get_cmap("tab20").colors
+        colors = {m: palette[i % len(palette)] for i, m in enumerate(methods)}  # the same colour in both panels
         for ax, regime in zip(axes[0], regimes):
             for method in methods:
                 vals = curves.get((model, regime, method))
