@@ -47,10 +47,9 @@ def main():
             rates = decode["tokens_per_second"]
             full = rates["full"]["median"]
             text = ", ".join(f"{name} {r['median']:.2f} ({r['median'] / full:.2f}x)" for name, r in rates.items())
-            preset = decode["args"].get("preset", "paper")
             args = decode["args"]
-            rows.append([f"decode tok/s at {args['length']} (vs full), {args['model']} {args['dtype']}, preset {preset}",
-                         text])
+            rows.append([f"decode tok/s at {args['length']} (vs full), {args['model']} {args['dtype']}, "
+                         f"preset {args.get('preset', 'paper')}", text])
     memory = load("memory")
     if memory:
         for r in memory["results"]:

@@ -138,8 +138,8 @@ def test_an_unbound_model_never_gets_a_coded_read(tiny_llama, attention):
 
 def test_compact_storage_under_sdpa_says_once_how_to_read_the_codes(tiny_llama, attention):
     """A compact cache decoded under sdpa rebuilds its K/V at every step: one VarRateWarning per cache names
-    the fix; under the "varrate" attention, in materialized storage and for a padded batch (which falls
-    back to the rebuild anyway) there is nothing to say."""
+    the fix; under the "varrate" attention, in materialized storage and for a batch of two sequences (which
+    falls back to the rebuild anyway) there is nothing to say."""
     ids = prompt(tiny_llama, 300)
 
     def decode_twice(cache, batch=ids):
