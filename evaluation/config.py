@@ -80,6 +80,23 @@ def validate(config: EvalConfig) -> None:
             raise ValueError(f"a comparison is a pair of defined method names, got {pair!r}")
 
 
+def parse_stages(text: str, count: int) -> list[int]:
+    """`--stages` ("10", "11-", "3,5-7": 0-based positions in the config's `stages` list) -> sorted indices."""
+    picked = set()
+    for part in text.split(","):
+        first, dash, last = part.strip().partition("-")
+        try:
+            lo = int(first)
+            hi = (int(last) if last else count - 1) if dash else lo
+        except ValueError:
+            raise ValueError(f"--stages takes 0-based stage indices and ranges such as '10', '11-' or '3,5-7', "
+                             f"got {text!r}") from None
+        if not 0 <= lo <= hi < count:
+            raise ValueError(f"--stages {text!r}: the config has stages 0-{count - 1}; {part.strip()!r} is outside")
+        picked.update(range(lo, hi + 1))
+    return sorted(picked)
+
+
 def _check_keys(where: str, data: dict, cls) -> None:
     known = set(cls.__dataclass_fields__)
     unknown = sorted(set(data) - known)

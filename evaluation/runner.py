@@ -49,10 +49,13 @@ class Runner:
         self.on_progress = on_progress or (lambda: None)
         self._model_name, self._model = None, None
 
-    def run(self, max_examples: int | None = None) -> None:
+    def run(self, max_examples: int | None = None, stages: list[int] | None = None) -> None:
+        """Run (or resume) every stage, or only the `stages` at these indices of the config's list."""
         torch.set_num_threads(self.config.threads)
         count = 0
-        for stage in self.config.stages:
+        for i, stage in enumerate(self.config.stages):
+            if stages is not None and i not in stages:
+                continue
             self.wait_for_bases(stage)
             for example in self.stage_examples(stage):
                 todo = self.todo(stage, example)

@@ -159,6 +159,31 @@ def test_configs_parse():
         assert config.stages and all(m in config.methods for s in config.stages for m in s.methods)
 
 
+def test_stages_option_picks_stages_by_index_and_names_a_bad_one():
+    from evaluation.config import parse_stages
+
+    assert parse_stages("10", 17) == [10]
+    assert parse_stages("11-", 17) == list(range(11, 17))
+    assert parse_stages("3,5-7,5", 17) == [3, 5, 6, 7]
+    with pytest.raises(ValueError, match=r"stages 0-16.*'17'"):
+        parse_stages("17", 17)
+    with pytest.raises(ValueError, match=r"--stages.*'11-' .*got 'x'"):
+        parse_stages("x", 17)
+
+
+def test_runner_runs_only_the_picked_stages(tmp_path, monkeypatch):
+    from evaluation.config import load_config
+    from evaluation.runner import Runner
+
+    config = load_config(REPO / "evaluation/configs/full.yaml")
+    seen = []
+    monkeypatch.setattr(Runner, "wait_for_bases", lambda self, stage: None)
+    monkeypatch.setattr(Runner, "stage_examples", lambda self, stage: iter([stage]))
+    monkeypatch.setattr(Runner, "todo", lambda self, stage, example: ["row"])
+    monkeypatch.setattr(Runner, "evaluate", lambda self, stage, example, todo: seen.append(stage))
+    Runner(config, tmp_path).run(stages=[10, 12])
+    assert seen == [config.stages[10], config.stages[12]]
+
 # replay == live (needs kvpress) ----------------------------------------------------------------------
 def _prompt(tokenizer, n=300):
     from hf_varrate.demo import essay_text
