@@ -283,6 +283,35 @@ def test_kvzip_replay_masks_equal_live(smollm2):
 
 @pytest.mark.eval
 @needs_kvpress
+def test_kvzip_at_a_second_budget_reuses_the_scores_and_masks_as_a_fresh_run(smollm2):
+    from evaluation.methods import make_method
+    from evaluation.methods.kvpress_methods import _KVZIP_SCORES
+
+    model, tokenizer = smollm2
+    ids = _prompt(tokenizer, 300)
+    spec = {"kind": "kvpress", "press": "KVzipPress", "pin_last": 64}
+    _KVZIP_SCORES.clear()
+    fresh = make_method("z", {**spec, "budget": 0.5}).compress(_context(model, tokenizer, ids))
+    _KVZIP_SCORES.clear()
+    first = make_method("z", {**spec, "budget": 0.7}).compress(_context(model, tokenizer, ids))
+    ctx = _context(model, tokenizer, ids)  # its capture is a prefill: before the hook that counts passes
+    passes = []
+    hook = model.model.register_forward_pre_hook(lambda *args: passes.append(1))
+    try:
+        second = make_method("z", {**spec, "budget": 0.5}).compress(ctx)
+    finally:
+        hook.remove()
+    assert not fresh.extra["kvzip_scores_reused"] and not first.extra["kvzip_scores_reused"]
+    assert second.extra["kvzip_scores_reused"]
+    assert not passes  # no reconstruction pass ran for the second budget
+    assert second.seconds >= first.seconds  # its cost counts the scoring it reused
+    for i, mask in fresh.masks.items():
+        assert all(torch.equal(x, y) for x, y in zip(mask, second.masks[i]))
+    assert sum(len(m[0]) for m in first.masks.values()) < sum(len(m[0]) for m in second.masks.values())
+
+
+@pytest.mark.eval
+@needs_kvpress
 def test_kivi_replay_equals_live_and_is_counted_in_real_bytes(smollm2):
     from transformers import QuantizedCache
 
