@@ -12,6 +12,7 @@ python bench_decode.py --configs full,materialized,compact,compact-4bit --thread
 python bench_decode.py --preset recommended --configs full,materialized,compact,compact+codes --repeats 5 --out decode_recommended
 python bench_decode.py --dtype bfloat16 --configs full,materialized,compact,compact+codes --out decode_bf16
 python bench_decode.py --model gemma-3-270m --configs full,materialized,compact,compact+codes --out decode_gemma
+python bench_read.py --preset recommended
 python bench_memory.py
 python bench_load.py
 python bench_footprint.py

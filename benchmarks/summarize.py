@@ -50,6 +50,13 @@ def main():
             args = decode["args"]
             rows.append([f"decode tok/s at {args['length']} (vs full), {args['model']} {args['dtype']}, "
                          f"preset {args.get('preset', 'paper')}", text])
+    read = load("read")
+    if read:
+        med, args = read["median"], read["args"]
+        text = (f"{med['read_ms']:.2f} ms per layer, of which {med['codes_ms']:.2f} reading the codes"
+                + (f" (fbgemm's fused 4-bit kernel: {med['fused_codes_ms']:.2f})" if med["fused_codes_ms"] else ""))
+        rows.append([f"compact read over the codes at {args['length']}, {args['model']} {args['dtype']}, "
+                     f"preset {args['preset']}", text])
     memory = load("memory")
     if memory:
         for r in memory["results"]:
@@ -71,7 +78,7 @@ def main():
                          f"{100 * r['fraction']:.2f}% (mean rank {r['mean_rank']:.0f}, key err {r['key_error']:.3f}, "
                          f"value err {r['value_error']:.3f})"])
     md = "# Benchmark summary\n\n" + table(["what", "measured"], rows) + (
-        "\n\nDetails, noise and commands: prefill.md, decode.md, memory.md, load.md, footprint.md beside this file.\n")
+        "\n\nDetails, noise and commands: prefill.md, decode.md, read.md, memory.md, load.md, footprint.md beside this file.\n")
     (RESULTS / "SUMMARY.md").write_text(md)
     print(md)
 

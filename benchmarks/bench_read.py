@@ -1,0 +1,121 @@
+"""Where a compact layer's read goes: one decode step's attention over the codes, per layer.
+
+Builds a compact cache (replayed from one captured prefill, as bench_decode.py does) and times, for
+each layer that attends over its codes, the whole read (`VarRateLayer.attend`, one query token) and
+the part of it that turns the stored coefficients into matmul operands (`attend._pieces`: unpack,
+scale, shift, round to the matmul dtype). For 4-bit codes it also times fbgemm's fused 4-bit
+row-wise kernel (`torch.ops.quantized.embedding_bag_4bit_rowwise_offsets`, in torch's x86 CPU
+builds) on the same values plus the round to bf16: what reading the codes could cost if they were
+stored in that kernel's layout (whole groups, scale and shift inline); nothing in the library uses it.
+
+    python benchmarks/bench_read.py --preset recommended      # SmolLM2 fp32, 4K prompt
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import common
+from hf_varrate import VarRateCache, VarRateConfig
+from hf_varrate.codec import attend
+from hf_varrate.codec.pipeline import code_layout, dense_coef_values
+from hf_varrate.codec.projection import DenseOrder, matmul_dtype
+from hf_varrate.codec.quantization import QuantizedCoefs
+from hf_varrate.config import PRESETS
+from hf_varrate.layer import VarRateLayer
+
+
+def median_ms(fn, repeats: int) -> float:
+    fn()  # warm-up
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples) * 1e3
+
+
+def fused_kernel(code) -> tuple | None:
+    """fbgemm's 4-bit row-wise kernel on this code's values, one row per quantization group, and the
+    call that reads them all into a [C, width] bf16 matrix; None where it does not apply."""
+    kernel = getattr(torch.ops.quantized, "embedding_bag_4bit_rowwise_offsets", None)
+    plan = code_layout(code)
+    if kernel is None or not isinstance(code.coefs, QuantizedCoefs) or code.coefs.bits != 4:
+        return None
+    if not isinstance(plan, DenseOrder) or code.coefs.group % 2:
+        return None
+    dense = dense_coef_values(code, plan)  # [C, width]: every group padded to `group` values
+    packed = torch.ops.quantized.embedding_bag_4bit_prepack(dense.view(-1, code.coefs.group).contiguous())
+    rows = torch.arange(packed.shape[0], dtype=torch.int32)
+
+    def read():
+        values = kernel(packed, rows, rows, False, 0, False, None, None, False)
+        return values.view(dense.shape).to(torch.bfloat16)
+
+    return read
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--length", type=int, default=4096)
+    parser.add_argument("--budget", type=float, default=0.2)
+    parser.add_argument("--preset", choices=PRESETS, default="recommended")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", default="read")
+    args = parser.parse_args(argv)
+    common.set_threads(args.threads)
+    env = common.environment()
+    model, tokenizer = common.load(args.model, args.dtype)
+    bases, bases_name = common.bases_for(args.model, model)
+    ids = common.document_ids(tokenizer, args.length)
+    common.log(f"capturing a {args.length}-token prefill of {args.model} {args.dtype}")
+    captured, _ = common.capture_prefill(model, ids)
+    config = VarRateConfig.preset(args.preset, budget=args.budget, storage="compact")
+    cache = VarRateCache(bases, config, model=model)
+    common.replay_into(cache, captured)
+    text = model.config.get_text_config(decoder=True)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    query = torch.randn(1, text.num_attention_heads, 1, head_dim, generator=torch.Generator().manual_seed(0))
+    query = query.to(model.dtype)
+    per_layer = []
+    for layer in cache.layers:
+        if not (isinstance(layer, VarRateLayer) and layer.attends_codes(None)):
+            continue
+        code = layer.codes[0]
+        mm_dtype = matmul_dtype(layer.config.projection_dtype, layer.keys.device)
+        read = median_ms(lambda: layer.attend(query, None, head_dim**-0.5), args.repeats)
+        codes = median_ms(lambda: attend._pieces(code, code_layout(code), mm_dtype), args.repeats)
+        kernel = fused_kernel(code)
+        fused = median_ms(kernel, args.repeats) if kernel else None
+        per_layer.append({"layer": layer.layer_idx, "read_ms": read, "codes_ms": codes, "fused_codes_ms": fused,
+                          "coded_tokens": int(code.ranks.numel()), "mean_rank": float(code.ranks.float().mean())})
+        common.log(f"layer {layer.layer_idx}: read {read:.2f} ms, codes {codes:.2f} ms, fused kernel {fused} ms")
+    med = {key: statistics.median(row[key] for row in per_layer) if per_layer[0][key] is not None else None
+           for key in ("read_ms", "codes_ms", "fused_codes_ms", "mean_rank")}
+    result = {"env": env, "args": vars(args), "bases": bases_name, "layers": per_layer, "median": med}
+    rest = med["read_ms"] - med["codes_ms"]
+    rows = [["whole read (attention over the codes, 1 query token)", med["read_ms"]],
+            ["  of which reading the codes (unpack, scale, shift, round to the matmul dtype)", med["codes_ms"]],
+            ["  the rest (anchor means, keys matmul, RoPE, scores, softmax, value mix)", rest]]
+    if med["fused_codes_ms"] is not None:
+        rows += [["fbgemm 4-bit row-wise kernel + round to bf16, same values (not used by the library)",
+                  med["fused_codes_ms"]],
+                 ["  the read with it in place of the codes' part (projection)", rest + med["fused_codes_ms"]]]
+    md = (f"## A compact layer's read at {args.length} tokens, {args.model} {args.dtype}, preset {args.preset!r}, "
+          f"budget {args.budget}, {args.threads} thread(s)\n\n"
+          + common.table(["part", "ms per layer (median over layers)"], rows)
+          + f"\n\n{len(per_layer)} layers, {per_layer[0]['coded_tokens']} coded tokens each, mean rank "
+          f"{med['mean_rank']:.0f}; medians of {args.repeats} repeats per layer. Load average {env['load_average']}; "
+          f"bases: {bases_name}.\n")
+    common.write_results(args.out, result, md)
+
+
+if __name__ == "__main__":
+    main()
