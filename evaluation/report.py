@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import math
+import re
 from collections import defaultdict
 from statistics import median
 
@@ -98,6 +99,32 @@ def needle_ranks(rows: list[dict], bins: int = 5) -> list[dict]:
     return out
 
 
+def needle_digits(rows: list[dict]) -> list[dict]:
+    """How much of each needle's number the answer reproduces, per (cell, method): RULER's exact score
+    beside the mean share of the number's digits the answer's first run of digits gets right from the
+    start ("2048." for 2049948: 3 of 7), and the share of answers whose first digit is right. A method
+    that finds the needle but cannot copy it shows a high first-digit share and a low exact score."""
+    groups: dict = defaultdict(list)
+    for row in rows:
+        if row["task"].startswith("niah") and row.get("prediction") is not None and row.get("answers"):
+            groups[(*(row[c] for c in CELL), row["method"])].append(row)
+    out = []
+    for key, rs in sorted(groups.items(), key=lambda kv: tuple(map(str, kv[0]))):
+        leading = [max(_leading_digits(r["prediction"], answer) / len(answer) for answer in r["answers"]) for r in rs]
+        first = [any(_leading_digits(r["prediction"], answer) > 0 for answer in r["answers"]) for r in rs]
+        out.append({**dict(zip((*CELL, "method"), key)), "n": len(rs),
+                    "score": 100 * float(np.mean([r["score"] for r in rs])),
+                    "leading_digits": 100 * float(np.mean(leading)), "first_digit": 100 * float(np.mean(first))})
+    return out
+
+
+def _leading_digits(prediction: str, answer: str) -> int:
+    """Digits of `answer` that the first run of digits in `prediction` matches from the start."""
+    match = re.search(r"\d+", prediction)
+    got = match.group() if match else ""
+    return next((i for i, (a, b) in enumerate(zip(got, answer)) if a != b), min(len(got), len(answer)))
+
+
 def progress(rows: list[dict], config) -> list[dict]:
     """Planned vs completed examples per (stage cell, method): what is not yet run."""
     done: dict = defaultdict(set)
@@ -165,6 +192,16 @@ def markdown_needle_ranks(needle_rows: list[dict]) -> str:
         cells_ = [_needle_cell(by_edge[e]) if e in by_edge else "" for e in edges]
         out.append("| " + " | ".join(map(str, key)) + " | " + " | ".join(cells_) + " |")
     return "\n".join(out)
+
+
+def markdown_needle_digits(digit_rows: list[dict]) -> str:
+    if not digit_rows:
+        return "No needle rows yet."
+    lines = ["| model | task | length | regime | method | n | exact | digits from the start | first digit right |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['model']} | {r['task']} | {r['length']} | {r['regime']} | {r['method']} | {r['n']} | "
+              f"{r['score']:.0f}% | {r['leading_digits']:.0f}% | {r['first_digit']:.0f}% |" for r in digit_rows]
+    return "\n".join(lines)
 
 
 def markdown_progress(progress_rows: list[dict]) -> str:

@@ -77,8 +77,10 @@ def write_report(config, out: Path, config_path: str) -> None:
     comparisons = report.compare(rows, config.comparisons, config.bootstrap_samples)
     progress = report.progress(rows, config)
     needle = report.needle_ranks(rows)
+    digits = report.needle_digits(rows)
     report.write_csv(out / "summary.csv", table)
     report.write_csv(out / "needle_ranks.csv", needle)
+    report.write_csv(out / "needle_digits.csv", digits)
     report.write_csv(out / "comparisons.csv", comparisons)
     report.write_csv(out / "progress.csv", progress)
     text = [f"# Evaluation `{config.name}`", "", f"Config: `{config_path}`. Rows: {len(rows)}.", "",
@@ -90,6 +92,9 @@ def write_report(config, out: Path, config_path: str) -> None:
             "## Needle depth: where the needle sits against where the rank went", "",
             "Score (mean rank the codec gave the tenth of the prompt that holds the asked needle; n) per depth "
             "bin, for methods with a rank profile.", "", report.markdown_needle_ranks(needle), "",
+            "## Needle digits: found, or copied", "",
+            "RULER's exact score beside the share of the needle's digits the answer gets right from the start, and "
+            "the share of answers whose first digit is right.", "", report.markdown_needle_digits(digits), "",
             "## Not yet run", "", report.markdown_progress(progress), ""]
     (out / "summary.md").write_text("\n".join(text))
     figures = out / "plots"

@@ -101,6 +101,22 @@ def test_needle_ranks_put_each_needles_score_beside_the_rank_at_its_decile():
     assert "| 50% (20; n = 2) |  | 100% (100; n = 1) |" in text and "| 100% (stored exactly; n = 1) |" in text
 
 
+def test_needle_digits_count_the_digits_an_answer_copies_from_the_start():
+    from evaluation.report import markdown_needle_digits, needle_digits
+
+    def row(method, example, prediction, answer="2049948"):
+        return {**_needle_row(method, example, float(answer in prediction), 0.5, 0.2), "prediction": prediction,
+                "answers": [answer]}
+
+    rows = [row("v", 0, "2048.\nThe special"), row("v", 1, ": 2049948."), row("v", 2, "no number"),
+            row("v", 3, "9"), row("v", 4, "20499481234")]  # 3, 7, 0, 0 and 7 digits of 7
+    (table,) = needle_digits(rows)
+    assert table["n"] == 5 and table["score"] == 40.0
+    assert abs(table["leading_digits"] - 100 * (3 + 7 + 0 + 0 + 7) / 35) < 1e-9
+    assert table["first_digit"] == 60.0
+    assert "| m | niah_single | 2048 | query_agnostic | v | 5 | 40% | 49% | 60% |" in markdown_needle_digits([table])
+
+
 # VarRatePress import contract -----------------------------------------------------------------------
 def test_press_module_imports_without_kvpress_and_names_the_install(monkeypatch):
     import sys
