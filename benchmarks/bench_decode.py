@@ -67,15 +67,10 @@ def main(argv=None):
                         help="the VarRate configs' preset ('recommended': from_pretrained's default)")
     parser.add_argument("--out", default="decode")
     args = parser.parse_args(argv)
-    common.set_threads(args.threads)
-    env = common.environment()
-    model, tokenizer = common.load(args.model, args.dtype)
-    bases, bases_name = common.bases_for(args.model, model)
-    ids = common.document_ids(tokenizer, args.length)
-    common.log(f"capturing a {args.length}-token prefill of {args.model} {args.dtype}")
-    captured, _ = common.capture_prefill(model, ids)
+    doc = common.captured_document(args.model, args.dtype, args.length, args.threads)
+    env, model, ids, bases_name = doc.env, doc.model, doc.ids, doc.bases_name
     configs = args.configs.split(",")
-    caches = build_caches(model, bases, captured, args.budget, configs, args.preset)
+    caches = build_caches(model, doc.bases, doc.captured, args.budget, configs, args.preset)
     hf_varrate.bind(model)  # "+codes" needs the hook that tells compact layers the attention reads codes
     first = ids[:, -1:]
     decode(model, copy.deepcopy(caches["full"]), first, 2)  # warm-up

@@ -123,6 +123,31 @@ def capture_prefill(model, ids: torch.Tensor, obs_window: int = 64) -> tuple[dic
     return captured, seconds
 
 
+@dataclass
+class Document:
+    """One benchmark prompt: the model, its bases, the prompt ids and its captured prefill."""
+
+    env: dict
+    model: object
+    tokenizer: object
+    bases: object
+    bases_name: str
+    ids: torch.Tensor
+    captured: dict
+
+
+def captured_document(name: str, dtype: str, length: int, threads: int) -> Document:
+    """Set the threads, load `name` and its bases, and capture the plain prefill of a `length`-token document."""
+    set_threads(threads)
+    env = environment()
+    model, tokenizer = load(name, dtype)
+    bases, bases_name = bases_for(name, model)
+    ids = document_ids(tokenizer, length)
+    log(f"capturing a {length}-token prefill of {name} {dtype}")
+    captured, _ = capture_prefill(model, ids)
+    return Document(env, model, tokenizer, bases, bases_name, ids, captured)
+
+
 def timed_forward(model, ids: torch.Tensor, cache, handles=()) -> float:
     """Wall seconds of one no-grad forward of `ids` into `cache` (last logits only); the hook `handles`
     are removed afterwards, whatever happens."""
