@@ -117,6 +117,21 @@ def test_needle_digits_count_the_digits_an_answer_copies_from_the_start():
     assert "| m | niah_single | 2048 | query_agnostic | v | 5 | 40% | 49% | 60% |" in markdown_needle_digits([table])
 
 
+def test_kept_digits_counts_the_layer_heads_whose_pruned_keys_hold_each_position():
+    from types import SimpleNamespace
+
+    from evaluation.kept_digits import kept_share
+
+    torch.manual_seed(0)
+    keys = [torch.randn(1, 2, 10, 4) for _ in range(2)]
+    keep = [[[0, 3, 4], [3, 5, 9]], [[4, 5, 6], [4, 7, 8]]]  # per layer, per head: the rows a press kept
+    pruned = [torch.stack([k[0, h, rows] for h, rows in enumerate(heads)])[None] for k, heads in zip(keys, keep)]
+    cache = SimpleNamespace(layers=[SimpleNamespace(keys=k) for k in pruned])
+    assert kept_share(keys, cache, [0, 1], slice(3, 6)).tolist() == [0.5, 0.75, 0.5]  # positions 3, 4, 5
+    assert kept_share(keys, cache, [0], slice(3, 6)).tolist() == [1.0, 0.5, 0.5]
+    assert kept_share(keys, cache, [1], slice(3, 6)).tolist() == [0.0, 1.0, 0.5]
+
+
 # VarRatePress import contract -----------------------------------------------------------------------
 def test_press_module_imports_without_kvpress_and_names_the_install(monkeypatch):
     import sys
