@@ -91,8 +91,10 @@ def parse_stages(text: str, count: int) -> list[int]:
         except ValueError:
             raise ValueError(f"--stages takes 0-based stage indices and ranges such as '10', '11-' or '3,5-7', "
                              f"got {text!r}") from None
-        if not 0 <= lo <= hi < count:
+        if not (0 <= lo < count and 0 <= hi < count):
             raise ValueError(f"--stages {text!r}: the config has stages 0-{count - 1}; {part.strip()!r} is outside")
+        if lo > hi:
+            raise ValueError(f"--stages {text!r}: {part.strip()!r} is an empty range; write the lower index first")
         picked.update(range(lo, hi + 1))
     return sorted(picked)
 

@@ -200,6 +200,8 @@ def test_stages_option_picks_stages_by_index_and_names_a_bad_one():
         parse_stages("17", 17)
     with pytest.raises(ValueError, match=r"--stages.*'11-' .*got 'x'"):
         parse_stages("x", 17)
+    with pytest.raises(ValueError, match=r"'7-5' is an empty range"):
+        parse_stages("7-5", 17)
 
 
 def test_runner_runs_only_the_picked_stages(tmp_path, monkeypatch):
