@@ -92,7 +92,8 @@ class KVPressMethod:
             seconds = clock() - start
             if reused is None:
                 _KVZIP_SCORES.clear()  # one prompt at a time: the runner finishes an example before the next
-                _KVZIP_SCORES[key] = (press.scores_seen, seconds)
+                if press.scores_seen is not None:  # None: budget 1.0, nothing was scored
+                    _KVZIP_SCORES[key] = (press.scores_seen, seconds)
             else:
                 seconds += reused[1]
             return Compressed(cache, seconds, masks=masks, extra={"kvzip_scores_reused": reused is not None})
