@@ -92,6 +92,9 @@ def main(argv=None):
         per_layer.append({"layer": layer.layer_idx, "read_ms": read, "codes_ms": codes, "fused_codes_ms": fused,
                           "coded_tokens": int(code.ranks.numel()), "mean_rank": float(code.ranks.float().mean())})
         common.log(f"layer {layer.layer_idx}: read {read:.2f} ms, codes {codes:.2f} ms, fused kernel {fused} ms")
+    if not per_layer:
+        raise SystemExit(f"no layer attends over its codes at --length {args.length} (a prompt that short is stored "
+                         f"exactly): pass a longer --length")
     med = {key: statistics.median(row[key] for row in per_layer) if per_layer[0][key] is not None else None
            for key in ("read_ms", "codes_ms", "fused_codes_ms", "mean_rank")}
     result = {"env": env, "args": vars(args), "bases": bases_name, "layers": per_layer, "median": med}
