@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
@@ -31,12 +30,7 @@ from hf_varrate.layer import VarRateLayer
 
 def median_ms(fn, repeats: int) -> float:
     fn()  # warm-up
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples) * 1e3
+    return statistics.median(common.timed(fn)[0] for _ in range(repeats)) * 1e3
 
 
 def fused_kernel(code) -> tuple | None:
