@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch.profiler import record_function
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import native
 from .packing import PromptCode
 from .pipeline import code_layout, coef_values, dense_coef_values
 from .projection import DenseOrder, RankOrder, _padded_basis
@@ -55,8 +56,8 @@ def attend_codes(code: PromptCode, query, exact_keys, exact_values, tail_keys, t
     pairs = _pair_order(dim, query.device)
     with record_function("varrate.attend_keys"):
         pieces = _pieces(code, plan, mm_dtype)
-        keys = _coded_keys(pieces, neighbours, exact_keys, in_exact, anchors, coded, turns, basis_k)  # [C, half]
-        scores = torch.cat((_block_scores(keys, q[..., pairs]),
+        scores = torch.cat((_coded_scores(pieces, neighbours, exact_keys, in_exact, anchors, coded, turns, basis_k,
+                                          q[..., pairs]),
                             torch.matmul(q, exact_keys.float().transpose(1, 2)),
                             torch.matmul(q, tail_keys.float().transpose(1, 2))), dim=-1).mul_(scaling)
     if softcap is not None:
@@ -77,24 +78,60 @@ def attend_codes(code: PromptCode, query, exact_keys, exact_values, tail_keys, t
     return out.view(heads_q, q_len, dim)
 
 
-def _coded_keys(pieces, neighbours, exact_keys, in_exact, anchors, coded, turns, basis_k):
-    """The coded tokens' keys [C, H * d] fp32, post-RoPE, in the plan's order, each head's dims paired
-    ((i, i + d/2) adjacent: `_pair_order`), so that RoPE is one complex product. `basis_k` is paired."""
+def _coded_scores(pieces, neighbours, exact_keys, in_exact, anchors, coded, turns, basis_k, q):
+    """q . k_t for the coded tokens: [H, rows, C] (q [H, rows, d] paired). In one pass of `native.c` where it
+    is built; else `_coded_keys`, then `_block_scores`."""
+    z_anchors = _anchor_keys(exact_keys, in_exact, anchors, turns, neighbours.shape[1])
+    basis = _padded_basis(basis_k, max(j1 for _, _, _, j1, _ in pieces)).to(pieces[0][4].dtype)
+    if native.available():
+        scores = native.coded_key_scores(_projection(pieces, basis), z_anchors, neighbours, turns, coded, q)
+        if scores is not None:
+            return scores
+    return _block_scores(_coded_keys(pieces, neighbours, z_anchors, coded, turns, basis), q)
+
+
+def _anchor_keys(exact_keys, in_exact, anchors, turns, n_neighbours: int) -> torch.Tensor:
+    """The anchors' keys [A, H * d] fp32, un-rotated, divided by `n_neighbours` (a sum of a token's anchors is
+    their mean), each head's dims paired (`_pair_order`)."""
     heads, _, dim = exact_keys.shape
     turn = torch.view_as_complex(turns.index_select(0, anchors))  # [A, d/2]
-    undo = turn.conj() / (turn.abs().square() * neighbours.shape[1])  # un-rotation (cos^2 + sin^2 may not be 1), / c
-    anchor_keys = exact_keys.index_select(1, in_exact)[..., _pair_order(dim, coded.device)].float()  # [H, A, d]
+    undo = turn.conj() / (turn.abs().square() * n_neighbours)  # un-rotation (cos^2 + sin^2 may not be 1), / n
+    anchor_keys = exact_keys.index_select(1, in_exact)[..., _pair_order(dim, anchors.device)].float()  # [H, A, d]
     z_anchors = torch.view_as_real(torch.view_as_complex(anchor_keys.view(heads, -1, dim // 2, 2)) * undo)
-    z_anchors = z_anchors.transpose(0, 1).reshape(-1, heads * dim)  # [A, H * d], paired, already / c
+    return z_anchors.transpose(0, 1).reshape(-1, heads * dim)
+
+
+def _projection(pieces, basis) -> torch.Tensor:
+    """sum over the pieces of coefs @ basis rows: [C, H * d], written by the matmuls themselves (in the pieces'
+    dtype) when each token is one piece from basis row 0, else accumulated in fp32."""
+    rows = max(r1 for _, r1, _, _, _ in pieces)
+    if all(j0 == 0 for _, _, j0, _, _ in pieces) and sum(r1 - r0 for r0, r1, _, _, _ in pieces) == rows:
+        proj = basis.new_empty(rows, basis.shape[1])
+        for r0, r1, _, j1, coefs in pieces:
+            torch.mm(coefs, basis[:j1], out=proj[r0:r1])
+        return proj
+    proj = torch.zeros(rows, basis.shape[1], device=basis.device)
+    for r0, r1, j0, j1, coefs in pieces:
+        if coefs.dtype == torch.float32:
+            proj[r0:r1].addmm_(coefs, basis[j0:j1])
+        else:
+            proj[r0:r1].add_(coefs @ basis[j0:j1])
+    return proj
+
+
+def _coded_keys(pieces, neighbours, z_anchors, coded, turns, basis):
+    """The coded tokens' keys [C, H * d] fp32, post-RoPE, in the plan's order, each head's dims paired
+    ((i, i + d/2) adjacent: `_pair_order`), so that RoPE is one complex product. `basis` is the keys' half,
+    paired, padded, in the pieces' dtype; `z_anchors` from `_anchor_keys`."""
     keys = F.embedding_bag(neighbours, z_anchors, mode="sum")  # the anchor means [C, H * d]
-    basis = _padded_basis(basis_k, max(j1 for _, _, _, j1, _ in pieces)).to(pieces[0][4].dtype)
     for r0, r1, j0, j1, coefs in pieces:
         if coefs.dtype == torch.float32:
             keys[r0:r1].addmm_(coefs, basis[j0:j1])
         else:  # bf16 operands; the keys stay fp32
             keys[r0:r1].add_(coefs @ basis[j0:j1])
+    dim = turns.shape[1] * 2
     turns = torch.view_as_complex(turns.index_select(0, coded))[:, None]  # [C, 1, d/2]
-    torch.view_as_complex(keys.view(-1, heads, dim // 2, 2)).mul_(turns)
+    torch.view_as_complex(keys.view(keys.shape[0], -1, dim // 2, 2)).mul_(turns)
     return keys
 
 
@@ -129,7 +166,9 @@ def _pieces(code: PromptCode, plan: RankOrder | DenseOrder, dtype: torch.dtype) 
         dense = dense_coef_values(code, plan)
         return [(0, dense.shape[0], 0, plan.width, dense.to(dtype))]
     quantized = isinstance(code.coefs, QuantizedCoefs)
-    stream = (dequantize_runs(code.coefs, plan) if quantized else code.coefs).to(dtype)
+    stream = native.dequantize_runs(code.coefs, plan.runs, dtype) if quantized else None
+    if stream is None:
+        stream = (dequantize_runs(code.coefs, plan) if quantized else code.coefs).to(dtype)
     pieces, offset = [], 0
     for first, stop, rank in plan.runs:
         pieces.append((first, stop, 0, rank, stream[offset : offset + (stop - first) * rank].view(-1, rank)))

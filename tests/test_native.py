@@ -1,0 +1,132 @@
+"""The C loops of a compact read (`hf_varrate.codec.native`) compute what the PyTorch read computes, and
+without a compiler everything still works on PyTorch."""
+
+import copy
+import types
+import warnings
+
+import pytest
+import torch
+
+import hf_varrate
+from hf_varrate.codec import native
+from hf_varrate.codec.quantization import dequantize_runs, quantize
+
+from test_attention import attention, compact  # noqa: F401 (fixture)
+from test_cache import prompt
+
+needs_native = pytest.mark.skipif(not native.available(), reason="the C loops could not be built here (no compiler?)")
+
+
+@pytest.fixture
+def rebuilt_library():
+    """Forget the loaded library before and after a test that changes how it is found."""
+    native._library.cache_clear()
+    yield
+    native._library.cache_clear()
+
+
+def _runs(rows_and_ranks):
+    runs, first = [], 0
+    for rows, rank in rows_and_ranks:
+        runs.append((first, first + rows, rank))
+        first += rows
+    return runs
+
+
+@needs_native
+@pytest.mark.parametrize("group", [32, 16, 8])
+@pytest.mark.parametrize("rows_and_ranks", [[(7, 40), (13, 39)], [(5, 3)], [(1, 1), (4, 33), (2, 64)]])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dequantize_runs_equals_pytorch_bit_for_bit(group, rows_and_ranks, dtype):
+    runs = _runs(rows_and_ranks)
+    ranks = torch.cat([torch.full((stop - first,), rank) for first, stop, rank in runs])
+    x = torch.randn(int(ranks.sum()), generator=torch.Generator().manual_seed(group)) * 3
+    x[: min(group, rows_and_ranks[0][1])] = 0.25  # a constant group: step 0
+    coefs = quantize(x, ranks, 4, group)
+    want = dequantize_runs(coefs, types.SimpleNamespace(runs=runs)).to(dtype)
+    got = native.dequantize_runs(coefs, runs, dtype)
+    assert got.dtype == dtype
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(got.view(bits), want.view(bits))
+
+
+@needs_native
+def test_dequantize_runs_leaves_other_bit_widths_to_pytorch():
+    ranks = torch.full((4,), 10)
+    coefs = quantize(torch.randn(40), ranks, 3, 8)
+    assert native.dequantize_runs(coefs, [(0, 4, 10)], torch.float32) is None
+
+
+def _reference_scores(proj, anchors, neighbours, turns, positions, queries):
+    keys = anchors[neighbours].sum(1) + proj.float()  # [C, H * d]
+    heads, _, dim = queries.shape
+    rotated = torch.view_as_complex(keys.view(-1, heads, dim // 2, 2)) * torch.view_as_complex(turns[positions])[:, None]
+    return torch.einsum("hrd,chd->hrc", queries, torch.view_as_real(rotated).reshape(-1, heads, dim))
+
+
+@needs_native
+@pytest.mark.parametrize("heads, rows, dim", [(3, 3, 64), (2, 5, 24), (1, 1, 8)])
+@pytest.mark.parametrize("n_neighbours", [1, 2, 4])
+@pytest.mark.parametrize("proj_dtype", [torch.float32, torch.bfloat16])
+def test_coded_key_scores_equal_pytorch(heads, rows, dim, n_neighbours, proj_dtype):
+    gen = torch.Generator().manual_seed(dim + n_neighbours)
+    tokens, n_anchors, seq_len, width = 37, 6, 50, heads * dim
+    proj = torch.randn(tokens, width, generator=gen).to(proj_dtype)
+    anchors = torch.randn(n_anchors, width, generator=gen)
+    neighbours = torch.randint(n_anchors, (tokens, n_neighbours), generator=gen)
+    angles = torch.rand(seq_len, dim // 2, generator=gen) * 6
+    turns = torch.stack((angles.cos(), angles.sin()), dim=-1) * 1.1  # cos^2 + sin^2 need not be 1
+    positions = torch.randperm(seq_len, generator=gen)[:tokens]
+    queries = torch.randn(heads, rows, dim, generator=gen)
+    got = native.coded_key_scores(proj, anchors, neighbours, turns, positions, queries)
+    want = _reference_scores(proj, anchors, neighbours, turns, positions, queries)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+@needs_native
+@pytest.mark.parametrize("overrides", [{}, {"preset": "recommended", "budget": 0.3},
+                                       {"preset": "recommended", "budget": 0.3, "projection_dtype": "float32"}])
+def test_the_read_over_the_codes_is_the_same_with_or_without_the_c_loops(tiny_llama, overrides, attention):  # noqa: F811
+    ids = prompt(tiny_llama, 300)
+    cache = compact(tiny_llama, **overrides)
+    attention(tiny_llama, hf_varrate.ATTENTION)
+    with torch.no_grad():
+        tiny_llama(ids[:, :-6], past_key_values=cache)
+        torch_cache = copy.deepcopy(cache)
+        got = [tiny_llama(ids[:, -6:-1], past_key_values=cache).logits, tiny_llama(ids[:, -1:], past_key_values=cache).logits]
+        with native.disabled():
+            assert not native.available()
+            want = [tiny_llama(ids[:, -6:-1], past_key_values=torch_cache).logits,
+                    tiny_llama(ids[:, -1:], past_key_values=torch_cache).logits]
+    assert native.available()
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_without_a_compiler_the_loops_are_off_and_say_why(monkeypatch, tmp_path, rebuilt_library):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("HF_VARRATE_CACHE", str(tmp_path))
+    monkeypatch.delenv(native.ENV_SWITCH, raising=False)
+    with pytest.warns(RuntimeWarning, match="compact reads use PyTorch.*HF_VARRATE_NATIVE=0"):
+        assert not native.available()
+    ranks = torch.full((3,), 8)
+    assert native.dequantize_runs(quantize(torch.randn(24), ranks, 4, 8), [(0, 3, 8)], torch.float32) is None
+
+
+def test_a_compiler_that_fails_is_reported_with_its_message(monkeypatch, tmp_path, rebuilt_library):
+    compiler = tmp_path / "cc"
+    compiler.write_text("#!/bin/sh\necho 'cc: out of luck' >&2\nexit 1\n")
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CC", str(compiler))
+    monkeypatch.setenv("HF_VARRATE_CACHE", str(tmp_path))
+    monkeypatch.delenv(native.ENV_SWITCH, raising=False)
+    with pytest.warns(RuntimeWarning, match="out of luck"):
+        assert not native.available()
+
+
+def test_the_switch_turns_the_loops_off_silently(monkeypatch, rebuilt_library):
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not native.available()
