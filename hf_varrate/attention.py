@@ -11,6 +11,7 @@ only `varrate_attention` reads one; any other layer or cache gets sdpa, unchange
 
 from __future__ import annotations
 
+import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -19,12 +20,20 @@ ATTENTION = "varrate"
 
 
 class CodedRead:
-    """A compact VarRateLayer standing in for its K/V: `varrate_attention` attends over its codes."""
+    """A compact VarRateLayer standing in for its K/V: `varrate_attention` attends over its codes.
+
+    `shape` is the K/V's, [B, H, tokens, d], for wrappers that look at it on the way (kvpress wraps every
+    registered attention function when it is imported, and reads `key.shape`)."""
 
     __slots__ = ("layer",)
 
     def __init__(self, layer):
         self.layer = layer
+
+    @property
+    def shape(self) -> torch.Size:
+        batch, heads, _, dim = self.layer.keys.shape
+        return torch.Size((batch, heads, self.layer.get_seq_length(), dim))
 
 
 def varrate_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,

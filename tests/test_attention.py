@@ -101,6 +101,28 @@ def test_generate_under_varrate_attention_equals_materialized(fixture, request, 
     assert torch.equal(greedy(model, ids, compact(model), new=12), want)
 
 
+def test_a_wrapper_that_reads_the_kv_shape_still_gets_the_codes_read(tiny_llama, attention, monkeypatch):
+    """kvpress wraps every registered attention function when imported, and its wrapper reads key.shape
+    (query.shape[2] == key.shape[2] tells it a prefill): a CodedRead answers with the K/V's shape."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    seen, inner = [], ALL_ATTENTION_FUNCTIONS[hf_varrate.ATTENTION]
+
+    def wrapper(module, query, key, value, attention_mask, dropout=0.0, **kwargs):
+        seen.append((query.shape[2] == key.shape[2], tuple(key.shape)))
+        return inner(module, query, key, value, attention_mask, dropout, **kwargs)
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, hf_varrate.ATTENTION, wrapper)
+    ids = prompt(tiny_llama, 300)
+    want = greedy(tiny_llama, ids, compact(tiny_llama, storage="materialized"), new=6)
+    attention(tiny_llama, hf_varrate.ATTENTION)
+    reads_codes(monkeypatch)
+    assert torch.equal(greedy(tiny_llama, ids, compact(tiny_llama), new=6), want)
+    text = tiny_llama.config
+    kv_shape = (1, text.num_key_value_heads, ids.shape[1] + 5, text.hidden_size // text.num_attention_heads)
+    assert (False, kv_shape) in seen  # the last step's read: a decode over all but the last new token
+
+
 def test_varrate_attention_is_sdpa_for_other_caches(tiny_llama, attention):
     ids = prompt(tiny_llama, 200)
     attention(tiny_llama, "sdpa")
