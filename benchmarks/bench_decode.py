@@ -6,13 +6,15 @@ are interleaved within every repeat, so they see the same machine load; medians 
 
     python benchmarks/bench_decode.py                      # SmolLM2 fp32, 4K prompt, 16 new tokens
 
-A configuration is `full` or `<storage>[-<bits>bit][+codes]`: `+codes` decodes under the "varrate"
-attention implementation (compact layers attend over their codes); every other one under sdpa.
+A configuration is `full` or `<storage>[-<bits>bit][+codes][+torch]`: `+codes` decodes under the
+"varrate" attention implementation (compact layers attend over their codes); every other one under
+sdpa. `+torch` switches off the C loops of `hf_varrate.codec.native` (PyTorch only), to compare.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import time
 
@@ -22,6 +24,7 @@ from transformers import DynamicCache
 import common
 import hf_varrate
 from hf_varrate import VarRateCache, VarRateConfig
+from hf_varrate.codec import native
 from hf_varrate.config import PRESETS
 
 
@@ -44,7 +47,7 @@ def build_caches(model, bases, captured, budget: float, configs: list[str], pres
         if name == "full":
             cache = DynamicCache(config=model.config)
         else:
-            storage, _, bits = name.removesuffix("+codes").partition("-")
+            storage, _, bits = name.removesuffix("+torch").removesuffix("+codes").partition("-")
             options = {"coef_bits": int(bits.removesuffix("bit"))} if bits else {}
             config = VarRateConfig.preset(preset, budget=budget, storage=storage, **options)
             cache = VarRateCache(bases, config, model=model)
@@ -80,9 +83,10 @@ def main(argv=None):
     for repeat in range(args.repeats):
         order = configs[repeat % len(configs):] + configs[: repeat % len(configs)]
         for name in order:
-            model.set_attn_implementation(hf_varrate.ATTENTION if name.endswith("+codes") else "sdpa")
+            model.set_attn_implementation(hf_varrate.ATTENTION if "+codes" in name else "sdpa")
             cache = copy.deepcopy(caches[name])
-            per_step, tokens[name] = decode(model, cache, first, args.new)
+            with native.disabled() if name.endswith("+torch") else contextlib.nullcontext():
+                per_step, tokens[name] = decode(model, cache, first, args.new)
             steps[name] += per_step
             rates[name].append(args.new / sum(per_step))
             common.log(f"repeat {repeat} {name}: {rates[name][-1]:.2f} tok/s")

@@ -3,10 +3,11 @@
 Builds a compact cache (replayed from one captured prefill, as bench_decode.py does) and times, for
 each layer that attends over its codes, the whole read (`VarRateLayer.attend`, one query token) and
 the part of it that turns the stored coefficients into matmul operands (`attend._pieces`: unpack,
-scale, shift, round to the matmul dtype). For 4-bit codes it also times fbgemm's fused 4-bit
-row-wise kernel (`torch.ops.quantized.embedding_bag_4bit_rowwise_offsets`, in torch's x86 CPU
-builds) on the same values plus the round to bf16: what reading the codes could cost if they were
-stored in that kernel's layout (whole groups, scale and shift inline); nothing in the library uses it.
+scale, shift, round to the matmul dtype), each with the C loops of `hf_varrate.codec.native` (the
+library's path where they are built) and with PyTorch only (`native.disabled()`). For 4-bit codes it
+also times fbgemm's fused 4-bit row-wise kernel (`torch.ops.quantized.embedding_bag_4bit_rowwise_offsets`,
+in torch's x86 CPU builds) on the same values plus the round to bf16, for comparison; nothing in the
+library uses it.
 
     python benchmarks/bench_read.py --preset recommended      # SmolLM2 fp32, 4K prompt
 """
@@ -14,13 +15,14 @@ stored in that kernel's layout (whole groups, scale and shift inline); nothing i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 
 import torch
 
 import common
 from hf_varrate import VarRateCache, VarRateConfig
-from hf_varrate.codec import attend
+from hf_varrate.codec import attend, native
 from hf_varrate.codec.pipeline import code_layout, dense_coef_values
 from hf_varrate.codec.projection import DenseOrder, matmul_dtype
 from hf_varrate.codec.quantization import QuantizedCoefs
@@ -79,27 +81,36 @@ def main(argv=None):
             continue
         code = layer.codes[0]
         mm_dtype = matmul_dtype(layer.config.projection_dtype, layer.keys.device)
-        read = median_ms(lambda: layer.attend(query, None, head_dim**-0.5), args.repeats)
-        codes = median_ms(lambda: attend._pieces(code, code_layout(code), mm_dtype), args.repeats)
+        row = {"layer": layer.layer_idx, "coded_tokens": int(code.ranks.numel()),
+               "mean_rank": float(code.ranks.float().mean())}
+        for path, context in (("c", contextlib.nullcontext), ("torch", native.disabled)):
+            with context():
+                row[f"read_ms_{path}"] = median_ms(lambda: layer.attend(query, None, head_dim**-0.5), args.repeats)
+                row[f"codes_ms_{path}"] = median_ms(lambda: attend._pieces(code, code_layout(code), mm_dtype),
+                                                    args.repeats)
         kernel = fused_kernel(code)
-        fused = median_ms(kernel, args.repeats) if kernel else None
-        per_layer.append({"layer": layer.layer_idx, "read_ms": read, "codes_ms": codes, "fused_codes_ms": fused,
-                          "coded_tokens": int(code.ranks.numel()), "mean_rank": float(code.ranks.float().mean())})
-        common.log(f"layer {layer.layer_idx}: read {read:.2f} ms, codes {codes:.2f} ms, fused kernel {fused} ms")
+        row["fused_codes_ms"] = median_ms(kernel, args.repeats) if kernel else None
+        per_layer.append(row)
+        common.log(f"layer {layer.layer_idx}: read {row['read_ms_c']:.2f} ms (PyTorch only {row['read_ms_torch']:.2f}), "
+                   f"codes {row['codes_ms_c']:.2f} ms (PyTorch only {row['codes_ms_torch']:.2f}), fbgemm "
+                   f"{row['fused_codes_ms']} ms")
     if not per_layer:
         raise SystemExit(f"no layer attends over its codes at --length {args.length} (a prompt that short is stored "
                          f"exactly): pass a longer --length")
+    keys = ("read_ms_c", "read_ms_torch", "codes_ms_c", "codes_ms_torch", "fused_codes_ms", "mean_rank")
     med = {key: statistics.median(row[key] for row in per_layer) if per_layer[0][key] is not None else None
-           for key in ("read_ms", "codes_ms", "fused_codes_ms", "mean_rank")}
+           for key in keys}
     result = {"env": env, "args": vars(args), "bases": bases_name, "layers": per_layer, "median": med}
-    rest = med["read_ms"] - med["codes_ms"]
-    rows = [["whole read (attention over the codes, 1 query token)", med["read_ms"]],
-            ["  of which reading the codes (unpack, scale, shift, round to the matmul dtype)", med["codes_ms"]],
-            ["  the rest (anchor means, keys matmul, RoPE, scores, softmax, value mix)", rest]]
+    c_loops = "C loops" if native.available() else "C loops NOT BUILT here: PyTorch"
+    rows = []
+    for path, name in (("c", c_loops), ("torch", "PyTorch only")):
+        read, codes = med[f"read_ms_{path}"], med[f"codes_ms_{path}"]
+        rows += [[f"whole read (attention over the codes, 1 query token), {name}", read],
+                 ["  of which reading the codes (unpack, scale, shift, round to the matmul dtype)", codes],
+                 ["  the rest (anchor means, keys matmul, RoPE, scores, softmax, value mix)", read - codes]]
     if med["fused_codes_ms"] is not None:
         rows += [["fbgemm 4-bit row-wise kernel + round to bf16, same values (not used by the library)",
-                  med["fused_codes_ms"]],
-                 ["  the read with it in place of the codes' part (projection)", rest + med["fused_codes_ms"]]]
+                  med["fused_codes_ms"]]]
     md = (f"## A compact layer's read at {args.length} tokens, {args.model} {args.dtype}, preset {args.preset!r}, "
           f"budget {args.budget}, {args.threads} thread(s)\n\n"
           + common.table(["part", "ms per layer (median over layers)"], rows)

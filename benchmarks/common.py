@@ -30,6 +30,8 @@ def environment() -> dict:
     """What the numbers were measured on (the load average says how shared the machine was)."""
     import transformers
 
+    from hf_varrate.codec import native
+
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -41,7 +43,8 @@ def environment() -> dict:
     return {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
             "cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-            "load_average": os.getloadavg(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "native_loops": native.available(), "load_average": os.getloadavg(),
+            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
 # models and prompts ------------------------------------------------------------------------------------------

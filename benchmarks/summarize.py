@@ -53,7 +53,8 @@ def main():
     read = load("read")
     if read:
         med, args = read["median"], read["args"]
-        text = (f"{med['read_ms']:.2f} ms per layer, of which {med['codes_ms']:.2f} reading the codes"
+        text = (f"{med['read_ms_c']:.2f} ms per layer with the C loops ({med['read_ms_torch']:.2f} PyTorch only), of "
+                f"which {med['codes_ms_c']:.2f} ({med['codes_ms_torch']:.2f}) reading the codes"
                 + (f" (fbgemm's fused 4-bit kernel: {med['fused_codes_ms']:.2f})" if med["fused_codes_ms"] else ""))
         rows.append([f"compact read over the codes at {args['length']}, {args['model']} {args['dtype']}, "
                      f"preset {args['preset']}", text])
