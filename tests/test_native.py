@@ -58,6 +58,13 @@ def test_dequantize_runs_leaves_other_bit_widths_to_pytorch():
     assert native.dequantize_runs(coefs, [(0, 4, 10)], torch.float32) is None
 
 
+@needs_native
+def test_runs_that_do_not_fit_the_stream_are_left_to_pytorch():
+    coefs = quantize(torch.randn(40), torch.full((4,), 10), 4, 8)
+    assert native.dequantize_runs(coefs, [(0, 5, 10)], torch.float32) is None  # 50 values, the stream holds 40
+    assert native.dequantize_runs(coefs, [(0, 4, 10)], torch.float32) is not None
+
+
 def _reference_scores(proj, anchors, neighbours, turns, positions, queries):
     keys = anchors[neighbours].sum(1) + proj.float()  # [C, H * d]
     heads, _, dim = queries.shape
@@ -102,6 +109,17 @@ def test_the_read_over_the_codes_is_the_same_with_or_without_the_c_loops(tiny_ll
     assert native.available()
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+@needs_native
+def test_out_of_range_indices_are_left_to_pytorch_which_raises():
+    anchors, turns, queries = torch.randn(4, 16), torch.randn(10, 8, 2), torch.randn(1, 1, 16)
+    proj = torch.randn(3, 16)
+    assert native.coded_key_scores(proj, anchors, torch.tensor([[0], [4], [1]]), turns, torch.arange(3), queries) is None
+    assert native.coded_key_scores(proj, anchors, torch.zeros(3, 1, dtype=torch.long), turns, torch.tensor([0, 1, 10]),
+                                   queries) is None
+    assert native.coded_key_scores(proj, anchors, torch.zeros(3, 1, dtype=torch.long), turns, torch.arange(3),
+                                   queries) is not None
 
 
 def test_without_a_compiler_the_loops_are_off_and_say_why(monkeypatch, tmp_path, rebuilt_library):

@@ -127,6 +127,10 @@ def dequantize_runs(coefs, runs: list[tuple[int, int, int]], dtype: torch.dtype)
     if library is None or coefs.bits != 4 or codes.device.type != "cpu" or dtype not in (torch.float32,
                                                                                          torch.bfloat16):
         return None
+    values = sum((stop - first) * rank for first, stop, rank in runs)
+    groups = sum((stop - first) * -(-rank // coefs.group) for first, stop, rank in runs)
+    if values != coefs.count or values > 2 * codes.numel() or groups > min(coefs.steps.numel(), coefs.mins.numel()):
+        return None  # not this stream's runs: PyTorch's path raises
     out = torch.empty(coefs.count, dtype=dtype)
     steps, mins = coefs.steps.float().contiguous(), coefs.mins.float().contiguous()
     table = torch.tensor(runs, dtype=torch.int64).reshape(-1, 3)
@@ -142,12 +146,16 @@ def coded_key_scores(proj: torch.Tensor, anchors: torch.Tensor, neighbours: torc
     """The coded tokens' unscaled scores [H, rows, C]: queries [H, rows, d] (paired dims) against the keys
     `anchors[neighbours].sum(1) + proj`, rotated by `turns[positions]` (see `attend._coded_keys`). proj
     [C, H * d] fp32 or bf16, anchors [A, H * d] fp32, neighbours [C, n] int64, turns [S, d/2, 2] fp32,
-    positions [C] int64. None where it does not apply."""
+    positions [C] int64. None where it does not apply, or where an index is out of range (PyTorch's path then
+    raises the IndexError; the C loop does not check)."""
     library = _loaded()
     if library is None or proj.device.type != "cpu" or proj.dtype not in (torch.float32, torch.bfloat16):
         return None
     heads, rows, dim = queries.shape
     n_tokens = proj.shape[0]
+    if n_tokens and not (0 <= int(neighbours.min()) and int(neighbours.max()) < anchors.shape[0]
+                         and 0 <= int(positions.min()) and int(positions.max()) < turns.shape[0]):
+        return None
     proj, anchors, neighbours = proj.contiguous(), anchors.float().contiguous(), neighbours.long().contiguous()
     turns, positions, queries = turns.float().contiguous(), positions.long().contiguous(), queries.float().contiguous()
     scores = torch.empty(heads, rows, n_tokens)
