@@ -44,11 +44,20 @@ def test_dequantize_runs_equals_pytorch_bit_for_bit(group, rows_and_ranks, dtype
     x = torch.randn(int(ranks.sum()), generator=torch.Generator().manual_seed(group)) * 3
     x[: min(group, rows_and_ranks[0][1])] = 0.25  # a constant group: step 0
     coefs = quantize(x, ranks, 4, group)
-    want = dequantize_runs(coefs, types.SimpleNamespace(runs=runs)).to(dtype)
+    with native.disabled():
+        want = dequantize_runs(coefs, types.SimpleNamespace(runs=runs)).to(dtype)
     got = native.dequantize_runs(coefs, runs, dtype)
     assert got.dtype == dtype
     bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
     assert torch.equal(got.view(bits), want.view(bits))
+
+
+@needs_native
+def test_the_library_dequantizes_runs_through_the_c_loop(monkeypatch):
+    coefs, calls, loop = quantize(torch.randn(40), torch.full((4,), 10), 4, 8), [], native.dequantize_runs
+    monkeypatch.setattr(native, "dequantize_runs", lambda *args: calls.append(args) or loop(*args))
+    values = dequantize_runs(coefs, types.SimpleNamespace(runs=[(0, 4, 10)]))
+    assert len(calls) == 1 and values.dtype == torch.float32 and values.shape == (40,)
 
 
 @needs_native
