@@ -121,6 +121,26 @@ def test_the_read_over_the_codes_is_the_same_with_or_without_the_c_loops(tiny_ll
 
 
 @needs_native
+def test_the_loops_give_the_same_bits_on_any_number_of_threads():
+    gen = torch.Generator().manual_seed(1)
+    runs = _runs([(301, 40), (200, 39)])
+    ranks = torch.cat([torch.full((stop - first,), rank) for first, stop, rank in runs])
+    coefs = quantize(torch.randn(int(ranks.sum()), generator=gen), ranks, 4, 32)
+    args = (torch.randn(501, 48, generator=gen), torch.randn(9, 48, generator=gen), torch.randint(9, (501, 4), generator=gen),
+            torch.randn(600, 8, 2, generator=gen), torch.randperm(600, generator=gen)[:501], torch.randn(3, 3, 16, generator=gen))
+    threads, results = torch.get_num_threads(), []
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            results.append((native.dequantize_runs(coefs, runs, torch.bfloat16), native.coded_key_scores(*args)))
+    finally:
+        torch.set_num_threads(threads)
+    for values, scores in results[1:]:
+        assert torch.equal(values.view(torch.int16), results[0][0].view(torch.int16))
+        assert torch.equal(scores, results[0][1])
+
+
+@needs_native
 def test_out_of_range_indices_are_left_to_pytorch_which_raises():
     anchors, turns, queries = torch.randn(4, 16), torch.randn(10, 8, 2), torch.randn(1, 1, 16)
     proj = torch.randn(3, 16)

@@ -3,7 +3,8 @@
    Each function does in one pass what the eager PyTorch read does in several passes over a layer-sized
    buffer; native.py says which eager code each one replaces, and tests/test_native.py checks them against
    it. Built with -ffp-contract=off: every multiply and add rounds as PyTorch's separate ops do, so
-   `dequantize_runs` equals the eager dequantization bit for bit. */
+   `dequantize_runs` equals the eager dequantization bit for bit. With -fopenmp (where the compiler has it)
+   each loop runs on `threads` threads, split over tokens: the same values whatever the count. */
 
 #include <stdint.h>
 #include <string.h>
@@ -29,14 +30,16 @@ static inline float from_bf16(uint16_t half) {
    dequantize_runs, then .to(bf16) when out_bf16). codes: the packed stream, value i in byte i/2's low
    nibble if i is even, its high one if odd. runs [n_runs, 3]: (first, stop, rank). steps, mins: fp32, one
    per group, token after token; a token's groups cover `group` values, its last one the rest. out: [count]
-   fp32, or bf16 as uint16. scratch: at least max(rank) + 2 bytes. */
+   fp32, or bf16 as uint16. */
 void dequantize_runs(const uint8_t *codes, const float *steps, const float *mins, const int64_t *runs,
-                     int64_t n_runs, int64_t group, void *out, int out_bf16, uint8_t *scratch) {
+                     int64_t n_runs, int64_t group, void *out, int out_bf16, int threads) {
     int64_t offset = 0, first_group = 0;
     for (int64_t run = 0; run < n_runs; run++) {
         const int64_t rows = runs[3 * run + 1] - runs[3 * run], rank = runs[3 * run + 2];
         const int64_t groups = (rank + group - 1) / group;
+#pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t row = 0; row < rows; row++) {
+            uint8_t scratch[rank + 2];
             const int64_t start = offset + row * rank;
             const uint8_t *bytes = codes + start / 2;
             const int64_t n_bytes = (start % 2 + rank + 1) / 2;
@@ -75,15 +78,15 @@ void dequantize_runs(const uint8_t *codes, const float *steps, const float *mins
    width = heads * dim, each head's RoPE pairs adjacent. anchors [A, width] fp32: the anchors' keys,
    un-rotated and divided by n_neighbours, in the same layout. neighbours [C, n_neighbours]: rows of
    anchors. turns [S, dim / 2, 2] fp32: (cos, sin) per prompt position and pair; positions [C]: each
-   token's. queries [heads, rows, dim] fp32, paired as the keys. scores [heads, rows, C] fp32 (unscaled).
-   scratch: 2 * width floats. */
+   token's. queries [heads, rows, dim] fp32, paired as the keys. scores [heads, rows, C] fp32 (unscaled). */
 void coded_key_scores(const void *proj, int proj_bf16, int64_t n_tokens, int64_t heads, int64_t dim,
                       const float *restrict anchors, const int64_t *restrict neighbours, int64_t n_neighbours,
                       const float *restrict turns, const int64_t *restrict positions, const float *restrict queries,
-                      int64_t rows, float *restrict scores, float *restrict scratch) {
+                      int64_t rows, float *restrict scores, int threads) {
     const int64_t width = heads * dim, pairs = dim / 2;
-    float *restrict key = scratch, *restrict rotated = scratch + width;
+#pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t t = 0; t < n_tokens; t++) {
+        float key[width], rotated[width];
         const int64_t *nb = neighbours + t * n_neighbours;
         /* the anchors' sum, in order (((a0 + a1) + a2) + ...) as F.embedding_bag adds them; the first two in
            one loop (a copy that later loads read at another width stalls store forwarding: 4x slower) */

@@ -7,9 +7,11 @@ for the dequantization, to float rounding for the scores). Where the library can
 compiler, or `HF_VARRATE_NATIVE=0`) every caller keeps its PyTorch path, and the first failure says why
 once (a `RuntimeWarning`).
 
-The shared library is compiled with ``$CC`` (else ``cc``) for this CPU (``-march=native``) into
-``$HF_VARRATE_CACHE/kernels`` (see `hf_varrate.models`), keyed by the source, the compiler and the CPU,
-and loaded with ctypes; it takes about a second, once per machine.
+The shared library is compiled with ``$CC`` (else ``cc``) for this CPU (``-march=native``) with OpenMP
+where the compiler has it, into ``$HF_VARRATE_CACHE/kernels`` (see `hf_varrate.models`), keyed by the
+source, the compiler and the CPU, and loaded with ctypes; it takes about a second, once per machine.
+The loops run on `torch.get_num_threads()` threads (one without OpenMP), with the same results on any
+number.
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ ENV_SWITCH = "HF_VARRATE_NATIVE"
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {
-    "dequantize_runs": [_P, _P, _P, _P, _I, _I, _P, ctypes.c_int, _P],
-    "coded_key_scores": [_P, ctypes.c_int, _I, _I, _I, _P, _P, _I, _P, _P, _P, _I, _P, _P],
+    "dequantize_runs": [_P, _P, _P, _P, _I, _I, _P, ctypes.c_int, ctypes.c_int],
+    "coded_key_scores": [_P, ctypes.c_int, _I, _I, _I, _P, _P, _I, _P, _P, _P, _I, _P, ctypes.c_int],
 }
 
 
@@ -95,7 +97,8 @@ def _build() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        for arch in (["-march=native"], []):  # a compiler without -march=native gets a generic build
+        # without OpenMP the loops run on one thread; without -march=native they are generic
+        for arch in (["-march=native", "-fopenmp"], ["-march=native"], []):
             done = subprocess.run([compiler, *FLAGS, *arch, str(SOURCE), "-o", str(built)], capture_output=True,
                                   text=True, timeout=120)
             if done.returncode == 0:
@@ -134,10 +137,9 @@ def dequantize_runs(coefs, runs: list[tuple[int, int, int]], dtype: torch.dtype)
     out = torch.empty(coefs.count, dtype=dtype)
     steps, mins = coefs.steps.float().contiguous(), coefs.mins.float().contiguous()
     table = torch.tensor(runs, dtype=torch.int64).reshape(-1, 3)
-    scratch = torch.empty(max(rank for _, _, rank in runs) + 2, dtype=torch.uint8)
     codes = codes.contiguous()
     library.dequantize_runs(_ptr(codes), _ptr(steps), _ptr(mins), _ptr(table), len(runs), coefs.group, _ptr(out),
-                            int(dtype == torch.bfloat16), _ptr(scratch))
+                            int(dtype == torch.bfloat16), torch.get_num_threads())
     return out
 
 
@@ -159,8 +161,7 @@ def coded_key_scores(proj: torch.Tensor, anchors: torch.Tensor, neighbours: torc
     proj, anchors, neighbours = proj.contiguous(), anchors.float().contiguous(), neighbours.long().contiguous()
     turns, positions, queries = turns.float().contiguous(), positions.long().contiguous(), queries.float().contiguous()
     scores = torch.empty(heads, rows, n_tokens)
-    scratch = torch.empty(2 * heads * dim)
     library.coded_key_scores(_ptr(proj), int(proj.dtype == torch.bfloat16), n_tokens, heads, dim, _ptr(anchors),
                              _ptr(neighbours), neighbours.shape[1], _ptr(turns), _ptr(positions), _ptr(queries), rows,
-                             _ptr(scores), _ptr(scratch))
+                             _ptr(scores), torch.get_num_threads())
     return scores
