@@ -172,6 +172,18 @@ def test_a_compiler_that_fails_is_reported_with_its_message(monkeypatch, tmp_pat
         assert not native.available()
 
 
+def test_cc_may_carry_flags(monkeypatch, tmp_path, rebuilt_library):
+    """CC="gcc -O2"-style values are a command line, as make reads them."""
+    compiler = tmp_path / "cc"
+    compiler.write_text('#!/bin/sh\necho "args: $*" >&2\nexit 1\n')
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CC", f"{compiler} -DFROM_CC")
+    monkeypatch.setenv("HF_VARRATE_CACHE", str(tmp_path))
+    monkeypatch.delenv(native.ENV_SWITCH, raising=False)
+    with pytest.warns(RuntimeWarning, match="args: -DFROM_CC -O3"):
+        assert not native.available()
+
+
 def test_the_switch_turns_the_loops_off_silently(monkeypatch, rebuilt_library):
     monkeypatch.setenv(native.ENV_SWITCH, "0")
     with warnings.catch_warnings():

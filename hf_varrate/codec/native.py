@@ -20,6 +20,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -85,10 +86,10 @@ def _build() -> Path:
     """The shared library for this source, compiler and CPU, compiled into the cache if not there yet."""
     from ..models import _cache_root
 
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc")]  # CC may hold flags
+    if compiler[0] is None:
         raise RuntimeError("no C compiler found (set CC, or install one, e.g. apt install gcc)")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     source = SOURCE.read_bytes()
     key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(FLAGS).encode(), _cpu().encode()]))
     target = _cache_root() / "kernels" / f"native-{key.hexdigest()[:16]}.so"
@@ -99,12 +100,12 @@ def _build() -> Path:
         built = Path(scratch) / target.name
         # without OpenMP the loops run on one thread; without -march=native they are generic
         for arch in (["-march=native", "-fopenmp"], ["-march=native"], []):
-            done = subprocess.run([compiler, *FLAGS, *arch, str(SOURCE), "-o", str(built)], capture_output=True,
+            done = subprocess.run([*compiler, *FLAGS, *arch, str(SOURCE), "-o", str(built)], capture_output=True,
                                   text=True, timeout=120)
             if done.returncode == 0:
                 break
         else:
-            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
+            raise RuntimeError(f"{' '.join(compiler)} failed: {done.stderr.strip()[-500:]}")
         os.replace(built, target)  # atomic: processes building at once each load a whole file
     return target
 
