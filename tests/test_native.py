@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hf_varrate
-from hf_varrate.codec import native
+from hf_varrate.codec import attend, native
 from hf_varrate.codec.quantization import dequantize_runs, quantize
 
 from test_attention import attention, compact  # noqa: F401 (fixture)
@@ -118,6 +118,37 @@ def test_the_read_over_the_codes_is_the_same_with_or_without_the_c_loops(tiny_ll
     assert native.available()
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("heads, dim, n_neighbours", [(3, 64, 4), (1, 24, 2), (2, 8, 1)])
+def test_anchor_keys_equal_pytorch(heads, dim, n_neighbours):
+    gen = torch.Generator().manual_seed(dim)
+    exact_keys, seq_len = torch.randn(heads, 30, dim, generator=gen), 90
+    rows = torch.randperm(30, generator=gen)[:12]
+    positions = torch.randperm(seq_len, generator=gen)[:12]
+    angles = torch.rand(seq_len, dim // 2, generator=gen) * 6
+    turns = torch.stack((angles.cos(), angles.sin()), dim=-1) * 0.9  # cos^2 + sin^2 need not be 1
+    got = native.anchor_keys(exact_keys, rows, positions, turns, n_neighbours)
+    with native.disabled():
+        want = attend._anchor_keys(exact_keys, rows, positions, turns, n_neighbours)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@needs_native
+@pytest.mark.parametrize("n_neighbours", [1, 4])
+def test_add_anchor_shares_equals_index_add(n_neighbours):
+    gen = torch.Generator().manual_seed(n_neighbours)
+    weights = torch.rand(3, 2, 50 + 12 + 5, generator=gen)  # [H, rows, coded + exact + tail], as attend splits it
+    neighbours = torch.randint(7, (50, n_neighbours), generator=gen)
+    anchor_rows = torch.randperm(12, generator=gen)[:7]
+    want = weights.clone()
+    coded, exact, _ = want.split((50, 12, 5), dim=-1)
+    with native.disabled():
+        attend._add_anchor_shares(coded, exact, neighbours, anchor_rows)
+    coded, exact, _ = weights.split((50, 12, 5), dim=-1)
+    assert native.add_anchor_shares(coded, exact, neighbours, anchor_rows)
+    torch.testing.assert_close(weights, want, rtol=1e-6, atol=1e-7)
 
 
 @needs_native

@@ -67,9 +67,7 @@ def attend_codes(code: PromptCode, query, exact_keys, exact_values, tail_keys, t
     n_coded, n_exact = coded.numel(), exact.numel()
     p_coded, p_exact, p_tail = weights.split((n_coded, n_exact, weights.shape[-1] - n_coded - n_exact), dim=-1)
     with record_function("varrate.attend_values"):
-        share = p_coded / neighbours.shape[1]  # each anchor of a coded token gets its share of the mean
-        for targets in in_exact.index_select(0, neighbours.t().reshape(-1)).view(neighbours.shape[1], -1):
-            p_exact.index_add_(-1, targets, share)
+        _add_anchor_shares(p_coded, p_exact, neighbours, in_exact)
         out = torch.matmul(p_exact, exact_values.float()) + torch.matmul(p_tail, tail_values.float())
         mixed = _mix_codes(pieces, p_coded.reshape(heads * rows, n_coded))  # [H * rows, width]
         width = mixed.shape[1]
@@ -90,9 +88,22 @@ def _coded_scores(pieces, neighbours, exact_keys, in_exact, anchors, coded, turn
     return _block_scores(_coded_keys(pieces, neighbours, z_anchors, coded, turns, basis), q)
 
 
+def _add_anchor_shares(p_coded, p_exact, neighbours, in_exact) -> None:
+    """Each anchor of a coded token gets its share of the token's weight (its value is their mean): added into
+    p_exact in place (in one pass of `native.c` where it is built)."""
+    if native.add_anchor_shares(p_coded, p_exact, neighbours, in_exact):
+        return
+    share = p_coded / neighbours.shape[1]
+    for targets in in_exact.index_select(0, neighbours.t().reshape(-1)).view(neighbours.shape[1], -1):
+        p_exact.index_add_(-1, targets, share)
+
+
 def _anchor_keys(exact_keys, in_exact, anchors, turns, n_neighbours: int) -> torch.Tensor:
     """The anchors' keys [A, H * d] fp32, un-rotated, divided by `n_neighbours` (a sum of a token's anchors is
-    their mean), each head's dims paired (`_pair_order`)."""
+    their mean), each head's dims paired (`_pair_order`). In one pass of `native.c` where it is built."""
+    fast = native.anchor_keys(exact_keys, in_exact, anchors, turns, n_neighbours)
+    if fast is not None:
+        return fast
     heads, _, dim = exact_keys.shape
     turn = torch.view_as_complex(turns.index_select(0, anchors))  # [A, d/2]
     undo = turn.conj() / (turn.abs().square() * n_neighbours)  # un-rotation (cos^2 + sin^2 may not be 1), / n

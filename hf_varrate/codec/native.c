@@ -134,3 +134,45 @@ void coded_key_scores(const void *proj, int proj_bf16, int64_t n_tokens, int64_t
         }
     }
 }
+
+/* The anchors' keys as `coded_key_scores` reads them (hf_varrate.codec.attend._anchor_keys): each anchor's
+   key un-rotated by its position's turn and divided by n_neighbours, each head's RoPE pairs (i, i + dim/2)
+   made adjacent. keys [heads, E, dim] fp32 (the exact tokens, post-RoPE); rows [A]: each anchor's row among
+   them; positions [A]: its prompt position; turns [S, dim / 2, 2]. out [A, heads * dim]. */
+void anchor_keys(const float *restrict keys, int64_t heads, int64_t n_exact, int64_t dim, const int64_t *restrict rows,
+                 const int64_t *restrict positions, int64_t n_anchors, const float *restrict turns, int64_t n_neighbours,
+                 float *restrict out) {
+    const int64_t pairs = dim / 2;
+    for (int64_t a = 0; a < n_anchors; a++) {
+        const float *turn = turns + positions[a] * dim;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *k = keys + (h * n_exact + rows[a]) * dim;
+            float *z = out + (a * heads + h) * dim;
+            for (int64_t p = 0; p < pairs; p++) {
+                const float c = turn[2 * p], s = turn[2 * p + 1], x = k[p], y = k[p + pairs];
+                const float scale = (c * c + s * s) * (float)n_neighbours;
+                z[2 * p] = (x * c + y * s) / scale;
+                z[2 * p + 1] = (y * c - x * s) / scale;
+            }
+        }
+    }
+}
+
+/* The anchors' share of the coded tokens' attention (hf_varrate.codec.attend, values): a coded token's
+   value is the mean of its anchors' plus a projection, so each of its n_neighbours anchors gets
+   1 / n_neighbours of its weight. coded [n_rows, n_tokens] and exact [n_rows, E] are row views with
+   stride row_stride (into the same weights); neighbours [n_tokens, n_neighbours] index the anchors,
+   anchor_rows [A] their columns among the exact tokens. Adds into exact. */
+void add_anchor_shares(const float *coded, float *exact, int64_t n_rows, int64_t row_stride, int64_t n_tokens,
+                       const int64_t *restrict neighbours, int64_t n_neighbours, const int64_t *restrict anchor_rows,
+                       int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t row = 0; row < n_rows; row++) {
+        const float *p = coded + row * row_stride;
+        float *e = exact + row * row_stride;
+        for (int64_t t = 0; t < n_tokens; t++) {
+            const float share = p[t] / (float)n_neighbours;
+            for (int64_t n = 0; n < n_neighbours; n++) e[anchor_rows[neighbours[t * n_neighbours + n]]] += share;
+        }
+    }
+}

@@ -39,6 +39,8 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {
     "dequantize_runs": [_P, _P, _P, _P, _I, _I, _P, ctypes.c_int, ctypes.c_int],
     "coded_key_scores": [_P, ctypes.c_int, _I, _I, _I, _P, _P, _I, _P, _P, _P, _I, _P, ctypes.c_int],
+    "anchor_keys": [_P, _I, _I, _I, _P, _P, _I, _P, _I, _P],
+    "add_anchor_shares": [_P, _P, _I, _I, _I, _P, _I, _P, ctypes.c_int],
 }
 
 
@@ -166,3 +168,46 @@ def coded_key_scores(proj: torch.Tensor, anchors: torch.Tensor, neighbours: torc
                              _ptr(neighbours), neighbours.shape[1], _ptr(turns), _ptr(positions), _ptr(queries), rows,
                              _ptr(scores), torch.get_num_threads())
     return scores
+
+
+def _in_range(index: torch.Tensor, size: int) -> bool:
+    return index.numel() == 0 or (0 <= int(index.min()) and int(index.max()) < size)
+
+
+def anchor_keys(exact_keys: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, turns: torch.Tensor,
+                n_neighbours: int) -> torch.Tensor | None:
+    """`attend._anchor_keys` in one pass: exact_keys [H, E, d] (post-RoPE), rows [A] (the anchors among them),
+    positions [A], turns [S, d/2, 2] -> [A, H * d] fp32, un-rotated, / n_neighbours, pairs adjacent. None where
+    it does not apply."""
+    library = _loaded()
+    if library is None or exact_keys.device.type != "cpu":
+        return None
+    heads, n_exact, dim = exact_keys.shape
+    if not (_in_range(rows, n_exact) and _in_range(positions, turns.shape[0])):
+        return None
+    keys, rows, positions = exact_keys.float().contiguous(), rows.long().contiguous(), positions.long().contiguous()
+    turns = turns.float().contiguous()
+    out = torch.empty(rows.numel(), heads * dim)
+    library.anchor_keys(_ptr(keys), heads, n_exact, dim, _ptr(rows), _ptr(positions), rows.numel(), _ptr(turns),
+                        n_neighbours, _ptr(out))
+    return out
+
+
+def add_anchor_shares(coded: torch.Tensor, exact: torch.Tensor, neighbours: torch.Tensor, anchor_rows: torch.Tensor) -> bool:
+    """exact[..., anchor_rows[neighbours[t, n]]] += coded[..., t] / n_neighbours for every t and n, in place:
+    coded [..., C] and exact [..., E] are fp32 views into one [..., N] buffer whose last dim is contiguous.
+    False where it does not apply (the caller adds them with index_add_)."""
+    library = _loaded()
+    if (library is None or coded.device.type != "cpu" or coded.dtype != torch.float32 or exact.dtype != torch.float32
+            or coded.stride(-1) != 1 or exact.stride(-1) != 1 or coded.stride()[:-1] != exact.stride()[:-1]):
+        return False
+    flat = coded.shape[:-1].numel()
+    row_stride = coded.stride(-2) if coded.dim() > 1 else coded.shape[-1]
+    if coded.dim() > 2 and any(coded.stride(i) != coded.stride(i + 1) * coded.shape[i + 1] for i in range(coded.dim() - 2)):
+        return False  # the leading dims must flatten to rows of one stride
+    if not (_in_range(neighbours, anchor_rows.numel()) and _in_range(anchor_rows, exact.shape[-1])):
+        return False
+    neighbours, anchor_rows = neighbours.long().contiguous(), anchor_rows.long().contiguous()
+    library.add_anchor_shares(_ptr(coded), _ptr(exact), flat, row_stride, coded.shape[-1], _ptr(neighbours),
+                              neighbours.shape[1], _ptr(anchor_rows), torch.get_num_threads())
+    return True
