@@ -13,7 +13,7 @@ python bench_decode.py --preset recommended --configs full,materialized,compact,
 python bench_decode.py --preset recommended --threads 2 --configs full,materialized,compact+codes,compact+codes+torch --repeats 5 --out decode_recommended_2threads
 python bench_decode.py --preset recommended --dtype bfloat16 --configs full,materialized,compact+codes,compact+codes+torch --repeats 3 --out decode_recommended_bf16
 python bench_decode.py --dtype bfloat16 --configs full,materialized,compact,compact+codes --out decode_bf16
-python bench_decode.py --model gemma-3-270m --configs full,materialized,compact,compact+codes --out decode_gemma
+python bench_decode.py --model gemma-3-270m --configs full,materialized,compact,compact+codes,compact+codes+torch --out decode_gemma
 python bench_read.py --preset recommended
 python bench_memory.py
 python bench_load.py
