@@ -117,6 +117,23 @@ def test_needle_digits_count_the_digits_an_answer_copies_from_the_start():
     assert "| m | niah_single | 2048 | query_agnostic | v | 5 | 40% | 49% | 60% |" in markdown_needle_digits([table])
 
 
+def test_needle_confusions_tell_another_needles_value_from_a_lost_one():
+    from evaluation.needle_confusions import classify, confusions, planted
+    from evaluation.tasks.needle import NEEDLE
+
+    text = " ".join(NEEDLE.format(key=k, value=v) for k, v in [("odd-tiger", "1234567"), ("calm-river", "7654321")])
+    values = planted("Essay text. " + text + " More text.")
+    assert values == {"odd-tiger": "1234567", "calm-river": "7654321"}
+    assert classify(": 1234567.", "1234567", values) == "right"
+    assert classify(": 7654321.", "1234567", values) == "another needle"
+    assert classify(": 7654329.", "1234567", values) == "not planted"
+    assert classify(" is a secret.", "1234567", values) == "no number"
+    rows = [{"length": 8, "example_id": "e", "regime": "r", "method": m, "prediction": p, "answers": ["1234567"]}
+            for m, p in [("a", "7654321"), ("a", "1234567"), ("b", "1111111")]]
+    counts = confusions(rows, {(8, "e"): text})
+    assert counts[(8, "r", "a")] == {"another needle": 1, "right": 1} and counts[(8, "r", "b")] == {"not planted": 1}
+
+
 def test_kept_digits_counts_the_layer_heads_whose_pruned_keys_hold_each_position():
     from types import SimpleNamespace
 
