@@ -27,6 +27,11 @@ import warnings
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: no lock
+    fcntl = None
+
 from . import plots, report
 from .config import REPO, load_config, parse_stages
 from .runner import Runner, load_rows
@@ -106,14 +111,21 @@ def write_report(config, out: Path, config_path: str) -> None:
 
 
 def write_run_info(out: Path, config_path: str, started: float, status: str) -> None:
-    path = out / "run_info.json"
-    info = json.loads(path.read_text()) if path.is_file() else {"sessions": []}
+    """Append this session to run_info.json. Processes running disjoint stages into one output (--stages)
+    stop together, so the read-append-write holds an exclusive lock (POSIX) and replaces the file whole."""
     session = {"command": " ".join([Path(sys.executable).name, "-m", "evaluation.run", *sys.argv[1:]]),
                "config": config_path, "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
                "ended": time.strftime("%Y-%m-%d %H:%M:%S"), "status": status, "git": git_commit(),
                "versions": versions(), "library": library_source(), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}"}
-    info["sessions"].append(session)
-    path.write_text(json.dumps(info, indent=2) + "\n")
+    path = out / "run_info.json"
+    with open(out / "run_info.json.lock", "w") as lock:
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        info = json.loads(path.read_text()) if path.is_file() else {"sessions": []}
+        info["sessions"].append(session)
+        scratch = path.with_name(f"run_info.json.{os.getpid()}")
+        scratch.write_text(json.dumps(info, indent=2) + "\n")
+        os.replace(scratch, path)
 
 
 def quiet() -> None:

@@ -117,6 +117,19 @@ def test_needle_digits_count_the_digits_an_answer_copies_from_the_start():
     assert "| m | niah_single | 2048 | query_agnostic | v | 5 | 40% | 49% | 60% |" in markdown_needle_digits([table])
 
 
+def test_processes_stopping_together_each_keep_their_run_info_entry(tmp_path):
+    """Two --stages processes into one output stop together; neither's session may overwrite the other's."""
+    import subprocess
+    import sys
+
+    code = ("import sys, time; from pathlib import Path; from evaluation.run import write_run_info; "
+            "[write_run_info(Path(sys.argv[1]), 'c.yaml', time.time(), f'p{sys.argv[2]}-{i}') for i in range(3)]")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), str(p)], cwd=REPO) for p in range(4)]
+    assert all(proc.wait(timeout=300) == 0 for proc in procs)
+    sessions = json.loads((tmp_path / "run_info.json").read_text())["sessions"]
+    assert sorted(s["status"] for s in sessions) == sorted(f"p{p}-{i}" for p in range(4) for i in range(3))
+
+
 def test_needle_confusions_tell_another_needles_value_from_a_lost_one():
     from evaluation.needle_confusions import classify, confusions, planted
     from evaluation.tasks.needle import NEEDLE
