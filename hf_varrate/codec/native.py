@@ -125,6 +125,10 @@ def _ptr(tensor: torch.Tensor) -> int:
     return tensor.data_ptr()
 
 
+def _in_range(index: torch.Tensor, size: int) -> bool:
+    return index.numel() == 0 or (0 <= int(index.min()) and int(index.max()) < size)
+
+
 def dequantize_runs(coefs, runs: list[tuple[int, int, int]], dtype: torch.dtype) -> torch.Tensor | None:
     """`quantization.dequantize_runs(coefs, layout).to(dtype)` in one pass, for 4-bit codes on CPU and dtype
     float32 or bfloat16; None where it does not apply (the caller dequantizes in PyTorch)."""
@@ -158,8 +162,7 @@ def coded_key_scores(proj: torch.Tensor, anchors: torch.Tensor, neighbours: torc
         return None
     heads, rows, dim = queries.shape
     n_tokens = proj.shape[0]
-    if n_tokens and not (0 <= int(neighbours.min()) and int(neighbours.max()) < anchors.shape[0]
-                         and 0 <= int(positions.min()) and int(positions.max()) < turns.shape[0]):
+    if not (_in_range(neighbours, anchors.shape[0]) and _in_range(positions, turns.shape[0])):
         return None
     proj, anchors, neighbours = proj.contiguous(), anchors.float().contiguous(), neighbours.long().contiguous()
     turns, positions, queries = turns.float().contiguous(), positions.long().contiguous(), queries.float().contiguous()
@@ -168,10 +171,6 @@ def coded_key_scores(proj: torch.Tensor, anchors: torch.Tensor, neighbours: torc
                              _ptr(neighbours), neighbours.shape[1], _ptr(turns), _ptr(positions), _ptr(queries), rows,
                              _ptr(scores), torch.get_num_threads())
     return scores
-
-
-def _in_range(index: torch.Tensor, size: int) -> bool:
-    return index.numel() == 0 or (0 <= int(index.min()) and int(index.max()) < size)
 
 
 def anchor_keys(exact_keys: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, turns: torch.Tensor,
