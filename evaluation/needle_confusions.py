@@ -22,12 +22,12 @@ from hf_varrate.models import DEFAULT_MODELS, load_default_model
 from .tasks import build_examples
 
 KINDS = ("right", "another needle", "not planted", "no number")
-_NEEDLE = re.compile(r"One of the special magic numbers for (\S+) is: (\d+)\.")
+NEEDLE_PATTERN = re.compile(r"One of the special magic numbers for (\S+) is: (\d+)\.")
 
 
 def planted(text: str) -> dict[str, str]:
     """{key: value} of the needles in a prompt's text."""
-    return dict(_NEEDLE.findall(text))
+    return dict(NEEDLE_PATTERN.findall(text))
 
 
 def classify(prediction: str, answer: str, values: dict[str, str]) -> str:

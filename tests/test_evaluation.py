@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -145,6 +146,63 @@ def test_needle_confusions_tell_another_needles_value_from_a_lost_one():
             for m, p in [("a", "7654321"), ("a", "1234567"), ("b", "1111111")]]
     counts = confusions(rows, {(8, "e"): text})
     assert counts[(8, "r", "a")] == {"another needle": 1, "right": 1} and counts[(8, "r", "b")] == {"not planted": 1}
+
+
+def test_needle_attention_locates_each_needles_key_words_and_value(smollm2):
+    from evaluation.needle_attention import GROUPS, token_groups
+    from evaluation.tasks import build_examples
+
+    _, tokenizer = smollm2
+    example = build_examples("niah_multikey", tokenizer, True, 512, 1)[0]
+    ids = example.segments.context
+    asked = re.search(r"for (\S+) mentioned", tokenizer.decode(example.segments.tail)).group(1)
+    groups = token_groups(tokenizer, ids, asked)
+    assert sorted(torch.cat(list(groups.values())).tolist()) == list(range(len(ids)))  # a partition
+    text = lambda group: tokenizer.decode([ids[i] for i in groups[group]])  # noqa: E731
+    assert text("asked key words").strip() == asked and text("asked value").strip() == example.answers[0]
+    others = {k for k, _ in re.findall(r"for (\S+) is: (\d+)", tokenizer.decode(ids))} - {asked}
+    assert len(others) == 3 and all(key in text("other key words") for key in others)
+    assert "magic numbers for" in text("asked rest") and "magic numbers for" not in text("haystack")
+    with pytest.raises(ValueError, match="in 0 needles"):
+        token_groups(tokenizer, ids, "no-such-key")
+    assert set(groups) == set(GROUPS)
+
+
+def test_needle_attention_puts_back_exact_rows_in_a_copy_and_groups_query_heads():
+    from types import SimpleNamespace
+
+    from evaluation.needle_attention import answer_attention, put_back, relative_error
+
+    torch.manual_seed(0)
+    exact = {0: torch.randn(1, 2, 6, 4)}
+    coded = exact[0] + 0.1 * torch.randn(1, 2, 6, 4)
+    cache = SimpleNamespace(layers=[SimpleNamespace(keys=coded.clone(), values=coded.clone())])
+    patched = put_back(cache, exact, [0], "keys", torch.tensor([1, 4]))
+    assert torch.equal(cache.layers[0].keys, coded)  # the original is untouched
+    assert torch.equal(patched.layers[0].keys[:, :, [1, 4]], exact[0][:, :, [1, 4]])
+    assert torch.equal(patched.layers[0].keys[:, :, [0, 2, 3, 5]], coded[:, :, [0, 2, 3, 5]])
+    assert torch.equal(patched.layers[0].values, coded)
+    error = relative_error(exact[0][0], patched.layers[0].keys[0])
+    assert error[[1, 4]].tolist() == [0.0, 0.0] and (error[[0, 2, 3, 5]] > 0).all()
+    query = torch.randn(4, 4)  # 4 query heads over 2 KV heads: heads 0, 1 read KV head 0
+    weights = answer_attention(query, exact[0][0], 0.5)
+    assert torch.allclose(weights[1], torch.softmax(exact[0][0, 0] @ query[1] * 0.5, dim=0))
+    assert torch.allclose(weights[2], torch.softmax(exact[0][0, 1] @ query[2] * 0.5, dim=0))
+
+
+def test_needle_attention_counts_paired_flips_per_variant():
+    from evaluation.needle_attention import GROUPS, NEEDLES, VARIANTS, flips, summarize
+
+    answers = [{"full": "right", "codes": "another needle"}, {"full": "right", "codes": "right"},
+               {"full": "another needle", "codes": "right"}, {"full": "right", "codes": "another needle"}]
+    assert flips(answers, "full", "codes") == (2, 1) and flips(answers, "codes", "full") == (1, 2)
+    numbers = {f"{kind} error: {g}": 0.1 for kind in ("key", "value") for g in GROUPS}
+    numbers |= {f"exact share: {g}": 0.0 for g in GROUPS}
+    numbers |= {f"attention {name} L3: {needle}": 0.0 for name in ("full", "codes") for needle in NEEDLES}
+    results = [{**numbers, "answers": {**{v: a["codes"] for v in VARIANTS}, **a}} for a in answers]
+    table = summarize(results, [3])
+    assert "| full | 3 | 1 | 0 | 0 | +2 / -1 | +0 / -0 |" in table
+    assert "| codes | 2 | 2 | 0 | 0 | +0 / -0 | +1 / -2 |" in table
 
 
 def test_kept_digits_counts_the_layer_heads_whose_pruned_keys_hold_each_position():

@@ -1,0 +1,230 @@
+"""Multi-key needles: what the codes lose where a key is bound to its value. `python -m evaluation.needle_attention`.
+
+`needle_confusions` showed that the `recommended` preset's wrong multi-key answers on Gemma-3 are
+mostly another planted needle's value: the number survives, the binding to its key does not. This
+asks where, on a DEVELOPMENT split (examples 100+ by default: the full evaluation reports 0-49 and
+the preset's held-out splits use 200+), query-agnostic (the document compressed alone):
+
+1. the coding error by token group, in the full-attention layers: relative error of the keys and
+   values of each needle sentence's key words ("{key}"), value digits and other words, the asked
+   needle's apart from the three others', and of the haystack; and each group's share of tokens
+   stored exactly (anchors, the window);
+2. attention at the token that predicts the answer's first digit, with the queries of the
+   uncompressed run (so only the prompt's keys differ): the mass on the asked needle's sentence and
+   on the other three, per full-attention layer, averaged over query heads;
+3. counterfactual answers: the compressed cache with one group's keys or values put back exact
+   (everything else still coded), answered greedily as the runner does, each counted against the
+   codes as they are and against the full cache in paired flips (+: examples it gets right that the
+   other does not; -: the reverse). A group whose exact keys move the answers is where the binding is lost.
+
+    python -m evaluation.needle_attention --n 40 --out evaluation/results/needle_attention/gemma-3-270m-L4096-dev
+
+A diagnostic, not a result: nothing is chosen on it, and it runs outside the evaluation's examples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import json
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+from hf_varrate.binding import window_queries
+from hf_varrate.models import DEFAULT_MODELS, load_default_model
+
+from .capture import attention_modules, capture, full_attention_layers
+from .config import REPO, load_config
+from .generate import greedy_answer
+from .methods import Context, make_method
+from .methods.base import dynamic_from_capture
+from .needle_confusions import KINDS, NEEDLE_PATTERN, classify, planted
+from .run import quiet
+from .tasks import build_examples
+
+PARTS = ("key words", "value", "rest")  # of a needle sentence: its "{key}", its "{value}", its other words
+GROUPS = (*(f"{who} {part}" for who in ("asked", "other") for part in PARTS), "haystack")
+NEEDLES = {"asked needle": GROUPS[:3], "other needles": GROUPS[3:6]}
+# (variant, what is put back exact, on which groups); "codes": nothing, the compressed cache as it is
+VARIANTS = {
+    "codes": (None, ()),
+    "exact keys: needles": ("keys", GROUPS[:6]),
+    "exact keys: key words": ("keys", ("asked key words", "other key words")),
+    "exact keys: values": ("keys", ("asked value", "other value")),
+    "exact values: needles": ("values", GROUPS[:6]),
+    "exact keys: haystack": ("keys", ("haystack",)),
+    "exact keys: all": ("keys", GROUPS),
+    "exact values: all": ("values", GROUPS),
+}
+
+
+def token_groups(tokenizer, ids: list[int], asked: str) -> dict[str, torch.Tensor]:
+    """{group: LongTensor of positions in `ids`} for a multi-key prompt whose asked key is `asked`.
+
+    The prompt's text is decoded and re-encoded with offsets; a tokenizer that does not give back the same
+    ids is refused rather than mapped approximately."""
+    lead = 1 if ids and ids[0] == tokenizer.bos_token_id else 0
+    text = tokenizer.decode(ids[lead:])
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    if encoded["input_ids"] != ids[lead:]:
+        raise ValueError("the prompt does not re-encode to its own token ids, so its needles cannot be located by "
+                         "character offsets; this diagnostic needs a tokenizer whose decode round-trips")
+    spans = collections.defaultdict(list)  # group -> character spans
+    for match in NEEDLE_PATTERN.finditer(text):
+        who = "asked" if match.group(1) == asked else "other"
+        spans[f"{who} key words"].append(match.span(1))
+        spans[f"{who} value"].append(match.span(2))
+        spans[f"{who} rest"].append(match.span())
+    if len(spans["asked key words"]) != 1:
+        raise ValueError(f"the asked key {asked!r} is in {len(spans['asked key words'])} needles of the prompt, not 1")
+    group_of = ["haystack"] * len(ids)
+    for position, (start, stop) in enumerate(encoded["offset_mapping"], start=lead):
+        for group in GROUPS[:6]:  # first match wins: a key word is not also "rest"
+            if any(start < b and a < stop for a, b in spans[group]):
+                group_of[position] = group
+                break
+    if lead:
+        group_of[0] = "haystack"
+    return {g: torch.tensor([i for i, h in enumerate(group_of) if h == g], dtype=torch.long) for g in GROUPS}
+
+
+def relative_error(exact: torch.Tensor, coded: torch.Tensor) -> torch.Tensor:
+    """[S]: per token, ||coded - exact|| / ||exact|| over the heads' dims ([H, S, d] each)."""
+    return (coded - exact).norm(dim=(0, 2)) / exact.norm(dim=(0, 2)).clamp_min(1e-12)
+
+
+def answer_attention(query: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+    """[Hq, S]: softmax attention of one query per head [Hq, d] over keys [H, S, d] (grouped heads)."""
+    keys = keys.repeat_interleave(query.shape[0] // keys.shape[0], dim=0)
+    return torch.softmax(torch.einsum("hd,hsd->hs", query.float(), keys.float()) * scaling, dim=-1)
+
+
+def put_back(cache, exact, layers: list[int], which: str, positions: torch.Tensor):
+    """A copy of a materialized VarRate cache with `which` ('keys' / 'values') at `positions` exact again."""
+    patched = copy.deepcopy(cache)
+    for i in layers:
+        layer = patched.layers[i]
+        getattr(layer, which)[:, :, positions] = exact[i][:, :, positions].to(getattr(layer, which).dtype)
+    return patched
+
+
+def diagnose(model, tokenizer, model_name: str, example, method) -> dict:
+    """Group errors, attention masses and counterfactual answers of one multi-key example."""
+    seg = example.segments
+    prompt = seg.context + seg.question + seg.tail
+    captured = capture(model, prompt)
+    context = captured.prefix(len(seg.context))
+    compressed = method.compress(Context(model, tokenizer, model_name, context, seg.context))
+    cache, layers = compressed.cache, full_attention_layers(model)
+    asked = re.search(r"for (\S+) mentioned", tokenizer.decode(seg.tail)).group(1)
+    groups = token_groups(tokenizer, seg.context, asked)
+    found = {}
+    for kind, exact in (("key", context.keys), ("value", context.values)):
+        coded = {i: getattr(cache.layers[i], kind + "s")[0, :, : context.length] for i in layers}
+        for group, where in groups.items():
+            errors = torch.stack([relative_error(exact[i][0][:, where], coded[i][:, where]) for i in layers])
+            found[f"{kind} error: {group}"] = float(errors.mean())
+            if kind == "key":
+                same = torch.stack([(exact[i][0][:, where] == coded[i][:, where]).all(dim=(0, 2)) for i in layers])
+                found[f"exact share: {group}"] = float(same.float().mean())
+    modules = attention_modules(model)
+    for i in layers:
+        query = window_queries(modules[i], captured.hidden[i], captured.cos[i], captured.sin[i], 1)[0, :, 0]
+        tail_keys = captured.keys[i][0, :, context.length :]
+        coded_keys = cache.layers[i].keys[0, :, : context.length]
+        for name, prompt_keys in (("full", context.keys[i][0]), ("codes", coded_keys)):
+            weights = answer_attention(query, torch.cat([prompt_keys, tail_keys], dim=1), modules[i].scaling)
+            for needle, parts in NEEDLES.items():
+                where = torch.cat([groups[g] for g in parts])
+                found[f"attention {name} L{i}: {needle}"] = float(weights[:, where].sum(dim=1).mean())
+    fed, start = seg.fed_after("query_agnostic"), len(seg.context)
+    full = dynamic_from_capture(model, context)
+    new = example.max_new_tokens
+    answers = {"full": greedy_answer(model, tokenizer, full, None, fed, start, new, copy_cache=False)}
+    for variant, (which, names) in VARIANTS.items():
+        variant_cache = cache
+        if which is not None:
+            positions = torch.cat([groups[g] for g in names])
+            exact = context.keys if which == "keys" else context.values
+            variant_cache = put_back(cache, exact, layers, which, positions)
+        answers[variant] = greedy_answer(model, tokenizer, variant_cache, None, fed, start, new)
+    values = planted(tokenizer.decode(seg.context))
+    found["answers"] = {k: classify(v, example.answers[0], values) for k, v in answers.items()}
+    found["predictions"] = answers
+    return found
+
+
+def summarize(results: list[dict], layers: list[int]) -> str:
+    """Markdown: per-group errors and exact shares, attention masses per layer, answers by kind per variant."""
+    mean = lambda key: sum(r[key] for r in results) / len(results)  # noqa: E731
+    lines = ["| group | key rel. error | value rel. error | stored exactly |", "|---|---|---|---|"]
+    lines += [f"| {g} | {mean(f'key error: {g}'):.3f} | {mean(f'value error: {g}'):.3f} | "
+              f"{mean(f'exact share: {g}'):.1%} |" for g in GROUPS]
+    lines += ["", "| layer | full: asked needle | full: other needles (3) | codes: asked needle | codes: other needles "
+              "|", "|---|---|---|---|---|"]
+    lines += [f"| {i} | " + " | ".join(f"{mean(f'attention {name} L{i}: {needle}'):.4f}" for name in ("full", "codes")
+                                      for needle in NEEDLES) + " |" for i in layers]
+    lines += ["", "| variant | " + " | ".join(KINDS) + " | vs codes: +right / -right | vs full: +right / -right |",
+              "|---|" + "---|" * (len(KINDS) + 2)]
+    answers = [r["answers"] for r in results]
+    for variant in ["full", *VARIANTS]:
+        count = collections.Counter(a[variant] for a in answers)
+        lines.append(f"| {variant} | " + " | ".join(str(count[k]) for k in KINDS) + " | "
+                     + " | ".join("+{} / -{}".format(*flips(answers, variant, other)) for other in ("codes", "full"))
+                     + " |")
+    return "\n".join(lines)
+
+
+def flips(answers: list[dict], variant: str, other: str) -> tuple[int, int]:
+    """(examples `variant` answers right and `other` does not, the reverse): the paired discordant counts."""
+    right = [(a[variant] == "right", a[other] == "right") for a in answers]
+    return sum(v and not o for v, o in right), sum(o and not v for v, o in right)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="gemma-3-270m", choices=sorted(DEFAULT_MODELS))
+    parser.add_argument("--length", type=int, default=4096)
+    parser.add_argument("--n", type=int, default=40, help="examples first .. first + n - 1")
+    parser.add_argument("--first", type=int, default=100, help="the first example (default: the development split)")
+    parser.add_argument("--method", default="recommended@0.2", help="a varrate method of evaluation/configs/full.yaml")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", help="a directory for examples.jsonl (per example) and summary.md (the tables)")
+    args = parser.parse_args(argv)
+    quiet()
+    torch.set_num_threads(args.threads)
+    spec = load_config(REPO / "evaluation/configs/full.yaml").methods.get(args.method)
+    if spec is None or spec["kind"] != "varrate":
+        raise SystemExit(f"--method {args.method!r} is not a varrate method of evaluation/configs/full.yaml")
+    method = make_method(args.method, {**spec, "storage": "materialized"})  # patches write into the K/V
+    model, tokenizer = load_default_model(args.model)
+    chat = DEFAULT_MODELS[args.model].chat_template
+    out = Path(args.out) if args.out else None
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "examples.jsonl").write_text("")
+    results = []
+    torch.set_grad_enabled(False)
+    for example in build_examples("niah_multikey", tokenizer, chat, args.length, args.n, first=args.first):
+        results.append(diagnose(model, tokenizer, args.model, example, method))
+        print(example.example_id, results[-1]["answers"], flush=True)
+        if out:
+            with (out / "examples.jsonl").open("a") as f:
+                f.write(json.dumps({"example_id": example.example_id, **results[-1]}, sort_keys=True) + "\n")
+    command = "python -m evaluation.needle_attention " + " ".join(argv if argv is not None else sys.argv[1:])
+    summary = (f"# {args.model}, niah_multikey at {args.length}, examples {args.first}-{args.first + args.n - 1}, "
+               f"query-agnostic, {args.method}\n\n`{command}`; full-attention layers {full_attention_layers(model)}; "
+               f"attention: at the token that predicts the answer, mean over query heads\n\n"
+               + summarize(results, full_attention_layers(model)) + "\n")
+    print("\n" + summary)
+    if out:
+        (out / "summary.md").write_text(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
