@@ -7,8 +7,8 @@ the preset's held-out splits use 200+), query-agnostic (the document compressed 
 
 1. the coding error by token group, in the full-attention layers: relative error of the keys and
    values of each needle sentence's key words ("{key}"), value digits and other words, the asked
-   needle's apart from the three others', and of the haystack; and each group's share of tokens
-   stored exactly (anchors, the window);
+   needle's apart from the three others', and of the haystack; each group's share of tokens stored
+   exactly (anchors, the window) and the mean rank of its coded ones;
 2. attention at the token that predicts the answer's first digit, with the queries of the
    uncompressed run (so only the prompt's keys differ): the mass on the asked needle's sentence and
    on the other three, per full-attention layer, averaged over query heads;
@@ -18,6 +18,9 @@ the preset's held-out splits use 200+), query-agnostic (the document compressed 
    other does not; -: the reverse). A group whose exact keys move the answers is where the binding is lost.
 
     python -m evaluation.needle_attention --n 40 --out evaluation/results/needle_attention/gemma-3-270m-L4096-dev
+
+`--set FIELD=VALUE` changes the method's spec (e.g. `--set signal=residual`: does a rank signal find
+the needle sentences?) and `--variants` picks the counterfactuals (the codes and the full cache always run).
 
 A diagnostic, not a result: nothing is chosen on it, and it runs outside the evaluation's examples.
 """
@@ -33,6 +36,7 @@ import sys
 from pathlib import Path
 
 import torch
+import yaml
 
 from hf_varrate.binding import window_queries
 from hf_varrate.models import DEFAULT_MODELS, load_default_model
@@ -92,6 +96,15 @@ def token_groups(tokenizer, ids: list[int], asked: str) -> dict[str, torch.Tenso
     return {g: torch.tensor([i for i, h in enumerate(group_of) if h == g], dtype=torch.long) for g in GROUPS}
 
 
+def _ranks_at(code, positions: torch.Tensor, length: int) -> torch.Tensor | None:
+    """The ranks of the coded tokens among `positions` ([k] float); None where the layer stored its prompt exactly."""
+    if code.stored_exactly:
+        return None
+    coded = torch.zeros(length, dtype=torch.bool)
+    coded[positions] = True
+    return code.ranks.float()[coded[code.coded_pos]]
+
+
 def relative_error(exact: torch.Tensor, coded: torch.Tensor) -> torch.Tensor:
     """[S]: per token, ||coded - exact|| / ||exact|| over the heads' dims ([H, S, d] each)."""
     return (coded - exact).norm(dim=(0, 2)) / exact.norm(dim=(0, 2)).clamp_min(1e-12)
@@ -112,8 +125,8 @@ def put_back(cache, exact, layers: list[int], which: str, positions: torch.Tenso
     return patched
 
 
-def diagnose(model, tokenizer, model_name: str, example, method) -> dict:
-    """Group errors, attention masses and counterfactual answers of one multi-key example."""
+def diagnose(model, tokenizer, model_name: str, example, method, variants=tuple(VARIANTS)) -> dict:
+    """Group errors and ranks, attention masses and counterfactual answers (`variants`) of one multi-key example."""
     seg = example.segments
     prompt = seg.context + seg.question + seg.tail
     captured = capture(model, prompt)
@@ -131,6 +144,10 @@ def diagnose(model, tokenizer, model_name: str, example, method) -> dict:
             if kind == "key":
                 same = torch.stack([(exact[i][0][:, where] == coded[i][:, where]).all(dim=(0, 2)) for i in layers])
                 found[f"exact share: {group}"] = float(same.float().mean())
+    for group, where in groups.items():  # the rank each layer's codes gave the group's coded tokens
+        ranks = [_ranks_at(cache.layers[i].codes[0], where, context.length) for i in layers]
+        ranks = torch.cat([r for r in ranks if r is not None] or [torch.zeros(0)])
+        found[f"mean rank: {group}"] = float(ranks.mean()) if ranks.numel() else None
     modules = attention_modules(model)
     for i in layers:
         query = window_queries(modules[i], captured.hidden[i], captured.cos[i], captured.sin[i], 1)[0, :, 0]
@@ -145,7 +162,8 @@ def diagnose(model, tokenizer, model_name: str, example, method) -> dict:
     full = dynamic_from_capture(model, context)
     new = example.max_new_tokens
     answers = {"full": greedy_answer(model, tokenizer, full, None, fed, start, new, copy_cache=False)}
-    for variant, (which, names) in VARIANTS.items():
+    for variant in variants:
+        which, names = VARIANTS[variant]
         variant_cache = cache
         if which is not None:
             positions = torch.cat([groups[g] for g in names])
@@ -161,9 +179,12 @@ def diagnose(model, tokenizer, model_name: str, example, method) -> dict:
 def summarize(results: list[dict], layers: list[int]) -> str:
     """Markdown: per-group errors and exact shares, attention masses per layer, answers by kind per variant."""
     mean = lambda key: sum(r[key] for r in results) / len(results)  # noqa: E731
-    lines = ["| group | key rel. error | value rel. error | stored exactly |", "|---|---|---|---|"]
+    ranked = [r[f"mean rank: {g}"] for r in results for g in GROUPS if r.get(f"mean rank: {g}") is not None]
+    rank = (lambda g: f" {mean(f'mean rank: {g}'):.1f} |") if ranked else (lambda g: " n/a |")  # noqa: E731
+    lines = ["| group | key rel. error | value rel. error | stored exactly | mean rank of its coded tokens |",
+             "|---|---|---|---|---|"]
     lines += [f"| {g} | {mean(f'key error: {g}'):.3f} | {mean(f'value error: {g}'):.3f} | "
-              f"{mean(f'exact share: {g}'):.1%} |" for g in GROUPS]
+              f"{mean(f'exact share: {g}'):.1%} |" + rank(g) for g in GROUPS]
     lines += ["", "| layer | full: asked needle | full: other needles (3) | codes: asked needle | codes: other needles "
               "|", "|---|---|---|---|---|"]
     lines += [f"| {i} | " + " | ".join(f"{mean(f'attention {name} L{i}: {needle}'):.4f}" for name in ("full", "codes")
@@ -171,7 +192,7 @@ def summarize(results: list[dict], layers: list[int]) -> str:
     lines += ["", "| variant | " + " | ".join(KINDS) + " | vs codes: +right / -right | vs full: +right / -right |",
               "|---|" + "---|" * (len(KINDS) + 2)]
     answers = [r["answers"] for r in results]
-    for variant in ["full", *VARIANTS]:
+    for variant in answers[0]:
         count = collections.Counter(a[variant] for a in answers)
         lines.append(f"| {variant} | " + " | ".join(str(count[k]) for k in KINDS) + " | "
                      + " | ".join("+{} / -{}".format(*flips(answers, variant, other)) for other in ("codes", "full"))
@@ -192,15 +213,33 @@ def main(argv=None) -> int:
     parser.add_argument("--n", type=int, default=40, help="examples first .. first + n - 1")
     parser.add_argument("--first", type=int, default=100, help="the first example (default: the development split)")
     parser.add_argument("--method", default="recommended@0.2", help="a varrate method of evaluation/configs/full.yaml")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="override a field of the method's spec (a VarRateConfig field, YAML value), e.g. "
+                        "--set signal=residual; repeatable")
+    parser.add_argument("--variants", help=f"comma-separated, of {', '.join(VARIANTS)} (default: all)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", help="a directory for examples.jsonl (per example) and summary.md (the tables)")
     args = parser.parse_args(argv)
+    if args.n < 1:
+        raise SystemExit(f"--n must be at least 1, got {args.n}")
     quiet()
     torch.set_num_threads(args.threads)
     spec = load_config(REPO / "evaluation/configs/full.yaml").methods.get(args.method)
     if spec is None or spec["kind"] != "varrate":
         raise SystemExit(f"--method {args.method!r} is not a varrate method of evaluation/configs/full.yaml")
-    method = make_method(args.method, {**spec, "storage": "materialized"})  # patches write into the K/V
+    overrides = {}
+    for item in args.set:
+        field, equals, value = item.partition("=")
+        if not equals or not field:
+            raise SystemExit(f"--set {item!r}: write FIELD=VALUE, e.g. --set signal=residual")
+        overrides[field] = yaml.safe_load(value)
+    variants = args.variants.split(",") if args.variants else list(VARIANTS)
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        raise SystemExit(f"--variants {unknown} unknown; choose among {list(VARIANTS)}")
+    variants = ["codes", *(v for v in variants if v != "codes")]
+    name = args.method + "".join(f" {k}={v}" for k, v in overrides.items())
+    method = make_method(name, {**spec, **overrides, "storage": "materialized"})  # patches write into the K/V
     model, tokenizer = load_default_model(args.model)
     chat = DEFAULT_MODELS[args.model].chat_template
     out = Path(args.out) if args.out else None
@@ -210,14 +249,14 @@ def main(argv=None) -> int:
     results = []
     torch.set_grad_enabled(False)
     for example in build_examples("niah_multikey", tokenizer, chat, args.length, args.n, first=args.first):
-        results.append(diagnose(model, tokenizer, args.model, example, method))
+        results.append(diagnose(model, tokenizer, args.model, example, method, variants))
         print(example.example_id, results[-1]["answers"], flush=True)
         if out:
             with (out / "examples.jsonl").open("a") as f:
                 f.write(json.dumps({"example_id": example.example_id, **results[-1]}, sort_keys=True) + "\n")
     command = "python -m evaluation.needle_attention " + " ".join(argv if argv is not None else sys.argv[1:])
     summary = (f"# {args.model}, niah_multikey at {args.length}, examples {args.first}-{args.first + args.n - 1}, "
-               f"query-agnostic, {args.method}\n\n`{command}`; full-attention layers {full_attention_layers(model)}; "
+               f"query-agnostic, {name}\n\n`{command}`; full-attention layers {full_attention_layers(model)}; "
                f"attention: at the token that predicts the answer, mean over query heads\n\n"
                + summarize(results, full_attention_layers(model)) + "\n")
     print("\n" + summary)

@@ -171,7 +171,7 @@ def test_needle_attention_locates_each_needles_key_words_and_value(smollm2):
 def test_needle_attention_puts_back_exact_rows_in_a_copy_and_groups_query_heads():
     from types import SimpleNamespace
 
-    from evaluation.needle_attention import answer_attention, put_back, relative_error
+    from evaluation.needle_attention import _ranks_at, answer_attention, put_back, relative_error
 
     torch.manual_seed(0)
     exact = {0: torch.randn(1, 2, 6, 4)}
@@ -188,6 +188,10 @@ def test_needle_attention_puts_back_exact_rows_in_a_copy_and_groups_query_heads(
     weights = answer_attention(query, exact[0][0], 0.5)
     assert torch.allclose(weights[1], torch.softmax(exact[0][0, 0] @ query[1] * 0.5, dim=0))
     assert torch.allclose(weights[2], torch.softmax(exact[0][0, 1] @ query[2] * 0.5, dim=0))
+    code = SimpleNamespace(stored_exactly=False, coded_pos=torch.tensor([1, 2, 4, 5]),
+                           ranks=torch.tensor([8, 9, 10, 11]))
+    assert _ranks_at(code, torch.tensor([0, 2, 5]), 6).tolist() == [9.0, 11.0]  # position 0 is exact: no rank
+    assert _ranks_at(SimpleNamespace(stored_exactly=True), torch.tensor([0]), 6) is None
 
 
 def test_needle_attention_counts_paired_flips_per_variant():
@@ -203,6 +207,19 @@ def test_needle_attention_counts_paired_flips_per_variant():
     table = summarize(results, [3])
     assert "| full | 3 | 1 | 0 | 0 | +2 / -1 | +0 / -0 |" in table
     assert "| codes | 2 | 2 | 0 | 0 | +0 / -0 | +1 / -2 |" in table
+
+
+def test_needle_attention_refuses_a_malformed_override_or_an_unknown_variant_before_loading_a_model():
+    from evaluation.needle_attention import main
+
+    with pytest.raises(SystemExit, match="FIELD=VALUE"):
+        main(["--set", "signal"])
+    with pytest.raises(SystemExit, match=r"--variants \['exact keys: nowhere'\] unknown"):
+        main(["--variants", "codes,exact keys: nowhere"])
+    with pytest.raises(ValueError, match=r"\['signl'\] are not VarRateConfig fields"):
+        main(["--set", "signl=residual"])
+    with pytest.raises(SystemExit, match="--n must be at least 1"):
+        main(["--n", "0"])
 
 
 def test_kept_digits_counts_the_layer_heads_whose_pruned_keys_hold_each_position():
