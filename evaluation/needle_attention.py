@@ -32,6 +32,7 @@ import collections
 import copy
 import json
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -254,7 +255,7 @@ def main(argv=None) -> int:
         if out:
             with (out / "examples.jsonl").open("a") as f:
                 f.write(json.dumps({"example_id": example.example_id, **results[-1]}, sort_keys=True) + "\n")
-    command = "python -m evaluation.needle_attention " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m evaluation.needle_attention " + shlex.join(argv if argv is not None else sys.argv[1:])
     summary = (f"# {args.model}, niah_multikey at {args.length}, examples {args.first}-{args.first + args.n - 1}, "
                f"query-agnostic, {name}\n\n`{command}`; full-attention layers {full_attention_layers(model)}; "
                f"attention: at the token that predicts the answer, mean over query heads\n\n"
