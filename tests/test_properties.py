@@ -225,6 +225,34 @@ def test_encode_decode_keeps_exact_tokens_and_respects_floor_cap_and_budget(prom
     assert bool(torch.isfinite(out[0]).all() and torch.isfinite(out[1]).all())
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_same_rank_quantized_codes_at_rank_one_stay_within_the_budget(seed):
+    """Found by the property test above on CI: with quantized_budget='same_ranks' and ranks of 1, a token's
+    4-bit value plus its group's fp16 min and step (4.5 bytes) cost more than one fp32 coefficient (4 bytes),
+    and the code overshot its budget (748 bytes for 740)."""
+    seq_len = 37
+    config = VarRateConfig(budget=0.15625, r_min=0, rank=1, stride=9, window=1, obs_window=1, n_anchors=1,
+                           pool_kernel=1, coef_bits=4, quantized_budget="same_ranks")
+    g = torch.Generator().manual_seed(seed)
+    keys, values = torch.randn(2, 1, HEADS, seq_len, DIM, generator=g)
+    queries = torch.randn(1, 2 * HEADS, 1, DIM, generator=g)
+    code, _, _ = compress_prompt(keys, values, queries, *rope_tables(seq_len, DIM), random_orthonormal(1, WIDTH, seed),
+                                 config, DIM**-0.5)
+    assert not code.stored_exactly and int(code.ranks.max()) == 1
+    assert code.nbytes() <= config.budget * code.full_nbytes()
+
+
+@pytest.mark.parametrize("kv_bytes, bits", [(4, 4), (2, 4), (2, 8), (4, 3)])
+def test_same_rank_quantization_reserves_nothing_at_the_usual_rank_floor(kv_bytes, bits):
+    """At r_min = 16 every quantized token saves more than the packing pad: the paper's same-ranks budget
+    (App. A.4) is unchanged; only a floor of 0-2 makes the budget reserve bytes."""
+    from hf_varrate.codec.pipeline import _same_ranks_overshoot
+
+    usual = VarRateConfig(coef_bits=bits, quantized_budget="same_ranks")
+    assert _same_ranks_overshoot(usual, 500, kv_bytes, 4, 384) == 0.0
+    assert _same_ranks_overshoot(usual.replace(r_min=0), 500, kv_bytes, 4, 384) > 0
+
+
 @SETTINGS
 @given(prompts(), st.integers(1, 64))
 def test_a_tokens_reconstruction_error_never_grows_with_its_rank(prompt, cut):

@@ -33,21 +33,41 @@ from .salience import coded_salience, minmax, snapkv_scores
 
 
 def coefficient_budget(config: VarRateConfig, seq_len: int, n_exact: int, n_coded: int, width: int,
-                       kv_bytes: int, meta_bytes: int) -> int:
+                       kv_bytes: int, meta_bytes: int, rank: int | None = None) -> int:
     """Eq. 3 in bytes: how many coefficients kappa * (full K/V bytes) leaves after the exact tokens
     and every coded token's side information (anchor indices, rank). Counting the side information
     inside the budget keeps the realised footprint at the budget on small-D models.
 
     A coefficient costs `kv_bytes`, except with `coef_bits` and `quantized_budget="same_bytes"`:
     then it costs bits/8 plus its share of its group's fp16 min and step, and each token is charged
-    one more (partial) group up front, so the realised bytes never exceed the budget."""
+    one more (partial) group up front, so the realised bytes never exceed the budget. With
+    `"same_ranks"` the ranks are those of `kv_bytes` coefficients, less `_same_ranks_overshoot` (zero
+    unless ranks as small as 1-2 are allowed); `rank` is the rank cap (default: `width`)."""
     spare = config.budget * seq_len * width * kv_bytes - n_exact * width * kv_bytes - n_coded * meta_bytes
     per_coef = kv_bytes
+    group_bytes = 2 * torch.empty(0, dtype=SCALE_DTYPE).element_size()
     if config.coef_bits is not None and config.quantized_budget == "same_bytes":
-        group_bytes = 2 * torch.empty(0, dtype=SCALE_DTYPE).element_size()
         spare -= n_coded * group_bytes + config.coef_bits  # partial groups, bit-packing pad
         per_coef = config.coef_bits / 8 + group_bytes / config.coef_group
+    elif config.coef_bits is not None:
+        spare -= _same_ranks_overshoot(config, n_coded, kv_bytes, group_bytes, rank or width)
     return math.floor(spare / per_coef)  # < 0: the exact set and side information alone exceed the budget
+
+
+def _same_ranks_overshoot(config: VarRateConfig, n_coded: int, kv_bytes: int, group_bytes: int, rank: int) -> float:
+    """The most bytes `n_coded` tokens' quantized coefficients can take beyond the same ranks at `kv_bytes`.
+
+    A token of rank r costs r * bits/8 plus ceil(r / group) groups' min and step, against r * kv_bytes:
+    more only at the smallest ranks (a group's 4 bytes outweigh the saving at r = 1 on fp32 K/V, r <= 2
+    on fp16), plus the bit-packing pad. The excess is largest at the lowest rank a token may get or where a
+    new group starts (r = k * group + 1); a token at rank 0 costs nothing either way. Zero at the usual
+    r_min = 16, where every token saves more than the pad."""
+    bits, group = config.coef_bits, config.coef_group
+    lowest = max(min(config.r_min, rank), 1)
+    candidates = [lowest, *range(group * ((lowest - 1) // group + 1) + 1, rank + 1, group)]
+    worst = max(r * (bits / 8 - kv_bytes) + group_bytes * -(-r // group) for r in candidates)
+    per_token = max(worst, 0.0) if config.r_min == 0 else worst
+    return max(0.0, n_coded * per_token + bits)
 
 
 def encode_prompt(keys, values, queries, cos, sin, basis, config: VarRateConfig, scaling: float,
@@ -239,7 +259,7 @@ def _layout(keys, basis, config: VarRateConfig, layer_share=None) -> tuple[Promp
             f"budget_dtype={config.budget_dtype!r} is wider than the K/V being compressed ({keys.dtype}): counting "
             f"the budget in it would let the cache exceed its budget; use budget_dtype=None (the K/V's own dtype)"
         )
-    total = coefficient_budget(config, seq_len, n_exact, n_coded, width, kv_bytes, meta)
+    total = coefficient_budget(config, seq_len, n_exact, n_coded, width, kv_bytes, meta, rank)
     if layer_share is not None and total > 0 and n_coded:
         flat = total / n_coded
         floor = max(config.r_min, math.floor(flat / 2))
