@@ -42,7 +42,7 @@ def coefficient_budget(config: VarRateConfig, seq_len: int, n_exact: int, n_code
     then it costs bits/8 plus its share of its group's fp16 min and step, and each token is charged
     one more (partial) group up front, so the realised bytes never exceed the budget. With
     `"same_ranks"` the ranks are those of `kv_bytes` coefficients, less `_same_ranks_overshoot` (zero
-    unless ranks as small as 1-2 are allowed); `rank` is the rank cap (default: `width`)."""
+    unless ranks as small as 1-3 are allowed); `rank` is the rank cap (default: `width`)."""
     spare = config.budget * seq_len * width * kv_bytes - n_exact * width * kv_bytes - n_coded * meta_bytes
     per_coef = kv_bytes
     group_bytes = 2 * torch.empty(0, dtype=SCALE_DTYPE).element_size()
@@ -58,8 +58,8 @@ def _same_ranks_overshoot(config: VarRateConfig, n_coded: int, kv_bytes: int, gr
     """The most bytes `n_coded` tokens' quantized coefficients can take beyond the same ranks at `kv_bytes`.
 
     A token of rank r costs r * bits/8 plus ceil(r / group) groups' min and step, against r * kv_bytes:
-    more only at the smallest ranks (a group's 4 bytes outweigh the saving at r = 1 on fp32 K/V, r <= 2
-    on fp16), plus the bit-packing pad. The excess is largest at the lowest rank a token may get or where a
+    more only at the smallest ranks (a group's 4 bytes outweigh the saving: r = 1 for 4-bit codes of fp32
+    K/V, up to r = 3 for 8-bit codes of fp16 K/V), plus the bit-packing pad. The excess is largest at the lowest rank a token may get or where a
     new group starts (r = k * group + 1); a token at rank 0 costs nothing either way. Zero at the usual
     r_min = 16, where every token saves more than the pad."""
     bits, group = config.coef_bits, config.coef_group
