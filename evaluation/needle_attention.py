@@ -31,7 +31,6 @@ import argparse
 import collections
 import copy
 import json
-import re
 import shlex
 import sys
 from pathlib import Path
@@ -47,11 +46,13 @@ from .config import REPO, load_config
 from .generate import greedy_answer
 from .methods import Context, make_method
 from .methods.base import dynamic_from_capture
-from .needle_confusions import KINDS, NEEDLE_PATTERN, classify, planted
+from .needle_confusions import KINDS, NEEDLE_PATTERN, classify, planted, template_pattern
 from .run import quiet
 from .tasks import build_examples
+from .tasks.needle import ANSWER_PREFIX
 
 PARTS = ("key words", "value", "rest")  # of a needle sentence: its "{key}", its "{value}", its other words
+ASKED_PATTERN = template_pattern(ANSWER_PREFIX, key=r"(\S+)")  # the asked key, in the tail's answer prefix
 GROUPS = (*(f"{who} {part}" for who in ("asked", "other") for part in PARTS), "haystack")
 NEEDLES = {"asked needle": GROUPS[:3], "other needles": GROUPS[3:6]}
 # (variant, what is put back exact, on which groups); "codes": nothing, the compressed cache as it is
@@ -134,7 +135,7 @@ def diagnose(model, tokenizer, model_name: str, example, method, variants=tuple(
     context = captured.prefix(len(seg.context))
     compressed = method.compress(Context(model, tokenizer, model_name, context, seg.context))
     cache, layers = compressed.cache, full_attention_layers(model)
-    asked = re.search(r"for (\S+) mentioned", tokenizer.decode(seg.tail)).group(1)
+    asked = ASKED_PATTERN.search(tokenizer.decode(seg.tail)).group(1)
     groups = token_groups(tokenizer, seg.context, asked)
     found = {}
     for kind, exact in (("key", context.keys), ("value", context.values)):
@@ -180,8 +181,11 @@ def diagnose(model, tokenizer, model_name: str, example, method, variants=tuple(
 def summarize(results: list[dict], layers: list[int]) -> str:
     """Markdown: per-group errors and exact shares, attention masses per layer, answers by kind per variant."""
     mean = lambda key: sum(r[key] for r in results) / len(results)  # noqa: E731
-    ranked = [r[f"mean rank: {g}"] for r in results for g in GROUPS if r.get(f"mean rank: {g}") is not None]
-    rank = (lambda g: f" {mean(f'mean rank: {g}'):.1f} |") if ranked else (lambda g: " n/a |")  # noqa: E731
+
+    def rank(group: str) -> str:  # over the examples whose layers coded some of the group's tokens
+        ranks = [r[f"mean rank: {group}"] for r in results if r.get(f"mean rank: {group}") is not None]
+        return f" {sum(ranks) / len(ranks):.1f} |" if ranks else " n/a |"
+
     lines = ["| group | key rel. error | value rel. error | stored exactly | mean rank of its coded tokens |",
              "|---|---|---|---|---|"]
     lines += [f"| {g} | {mean(f'key error: {g}'):.3f} | {mean(f'value error: {g}'):.3f} | "

@@ -20,9 +20,20 @@ from pathlib import Path
 from hf_varrate.models import DEFAULT_MODELS, load_default_model
 
 from .tasks import build_examples
+from .tasks.needle import NEEDLE
 
 KINDS = ("right", "another needle", "not planted", "no number")
-NEEDLE_PATTERN = re.compile(r"One of the special magic numbers for (\S+) is: (\d+)\.")
+
+
+def template_pattern(template: str, **groups: str) -> re.Pattern:
+    """A task template ("... {key} ...") as a regex: its text literal, each {field} replaced by its group."""
+    pattern = re.escape(template)
+    for field, group in groups.items():
+        pattern = pattern.replace(re.escape("{" + field + "}"), group)
+    return re.compile(pattern)
+
+
+NEEDLE_PATTERN = template_pattern(NEEDLE, key=r"(\S+)", value=r"(\d+)")
 
 
 def planted(text: str) -> dict[str, str]:

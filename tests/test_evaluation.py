@@ -149,13 +149,13 @@ def test_needle_confusions_tell_another_needles_value_from_a_lost_one():
 
 
 def test_needle_attention_locates_each_needles_key_words_and_value(smollm2):
-    from evaluation.needle_attention import GROUPS, token_groups
+    from evaluation.needle_attention import ASKED_PATTERN, GROUPS, token_groups
     from evaluation.tasks import build_examples
 
     _, tokenizer = smollm2
     example = build_examples("niah_multikey", tokenizer, True, 512, 1)[0]
     ids = example.segments.context
-    asked = re.search(r"for (\S+) mentioned", tokenizer.decode(example.segments.tail)).group(1)
+    asked = ASKED_PATTERN.search(tokenizer.decode(example.segments.tail)).group(1)
     groups = token_groups(tokenizer, ids, asked)
     assert sorted(torch.cat(list(groups.values())).tolist()) == list(range(len(ids)))  # a partition
     text = lambda group: tokenizer.decode([ids[i] for i in groups[group]])  # noqa: E731
