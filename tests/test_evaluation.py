@@ -250,6 +250,27 @@ def test_press_module_imports_without_kvpress_and_names_the_install(monkeypatch)
         press_module.VarRatePress(bases=None)
 
 
+def test_kvzips_temporary_tokenizer_folder_is_removed_when_the_process_exits(tmp_path):
+    import subprocess
+    import sys
+
+    script = (
+        "from evaluation.methods.kvpress_methods import _saved_tokenizer\n"
+        "class Tokenizer:\n"
+        "    def save_pretrained(self, folder):\n"
+        "        open(folder + '/tokenizer.json', 'w').write('{}')\n"
+        "tokenizer = Tokenizer()\n"
+        "folder = _saved_tokenizer(tokenizer)\n"
+        "assert _saved_tokenizer(tokenizer) == folder\n"
+        "print(folder)\n"
+    )
+    repo = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", script], cwd=repo, capture_output=True, text=True, check=True)
+    folder = Path(done.stdout.strip())
+    assert folder.name.startswith("evaluation-tokenizer-")
+    assert not folder.exists()
+
+
 def test_config_driven_methods_refuse_typos():
     from evaluation.methods import make_method
 

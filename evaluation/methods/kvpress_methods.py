@@ -159,11 +159,15 @@ def replay_kvzip(press, ctx: Context, cache) -> dict:
     return masks
 
 
+_TOKENIZER_FOLDERS: list[tempfile.TemporaryDirectory] = []  # removed when the process exits
+
+
 @functools.lru_cache(maxsize=4)
 def _saved_tokenizer(tokenizer) -> str:
-    folder = tempfile.mkdtemp(prefix="evaluation-tokenizer-")
-    tokenizer.save_pretrained(folder)
-    return folder
+    folder = tempfile.TemporaryDirectory(prefix="evaluation-tokenizer-")
+    _TOKENIZER_FOLDERS.append(folder)
+    tokenizer.save_pretrained(folder.name)
+    return folder.name
 
 
 @contextlib.contextmanager
