@@ -250,7 +250,7 @@ def test_press_module_imports_without_kvpress_and_names_the_install(monkeypatch)
         press_module.VarRatePress(bases=None)
 
 
-def test_kvzips_temporary_tokenizer_folder_is_removed_when_the_process_exits(tmp_path):
+def test_kvzips_temporary_tokenizer_folder_is_removed_when_the_process_exits():
     import subprocess
     import sys
 
