@@ -59,9 +59,9 @@ def _same_ranks_overshoot(config: VarRateConfig, n_coded: int, kv_bytes: int, gr
 
     A token of rank r costs r * bits/8 plus ceil(r / group) groups' min and step, against r * kv_bytes:
     more only at the smallest ranks (a group's 4 bytes outweigh the saving: r = 1 for 4-bit codes of fp32
-    K/V, up to r = 3 for 8-bit codes of fp16 K/V), plus the bit-packing pad. The excess is largest at the lowest rank a token may get or where a
-    new group starts (r = k * group + 1); a token at rank 0 costs nothing either way. Zero at the usual
-    r_min = 16, where every token saves more than the pad."""
+    K/V, up to r = 3 for 8-bit codes of fp16 K/V), plus the bit-packing pad. The excess is largest at the
+    lowest rank a token may get or where a new group starts (r = k * group + 1); a token at rank 0 costs
+    nothing either way. Zero at the usual r_min = 16, where every token saves more than the pad."""
     bits, group = config.coef_bits, config.coef_group
     lowest = max(min(config.r_min, rank), 1)
     candidates = [lowest, *range(group * ((lowest - 1) // group + 1) + 1, rank + 1, group)]
