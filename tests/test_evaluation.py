@@ -282,6 +282,21 @@ def test_config_driven_methods_refuse_typos():
         make_method("x", {"kind": "snapkv"})
 
 
+def test_a_method_run_on_two_models_loads_each_models_own_bases(monkeypatch):
+    # a process running a SmolLM2 stage then a Gemma-3 stage once handed Gemma-3 SmolLM2's bases
+    from evaluation.methods import make_method
+    from evaluation.methods import varrate as varrate_method
+    from evaluation.methods.base import Context
+
+    loads = []
+    monkeypatch.setattr(varrate_method, "resolve_bases", lambda model, name, which: loads.append((name, which)) or name)
+    method = make_method("v", {"kind": "varrate", "budget": 0.2})
+    contexts = [Context(None, None, name, None, []) for name in ("smollm2-135m-instruct", "gemma-3-270m")]
+    names = [method.bases(ctx, "shipped") for ctx in contexts + contexts]
+    assert names == ["smollm2-135m-instruct", "gemma-3-270m"] * 2
+    assert loads == [("smollm2-135m-instruct", "shipped"), ("gemma-3-270m", "shipped")]  # each loaded once
+
+
 def test_preset_spec_starts_from_the_library_preset_and_fields_override_it():
     from hf_varrate import Bases, VarRateConfig
     from evaluation.methods import make_method

@@ -52,7 +52,7 @@ class VarRateMethod:
             raise ValueError(f"method {name!r}: {unknown} are not VarRateConfig fields (nor kind/bases/impl); "
                              f"known fields: {sorted(known)}")
         self.impl = spec.get("impl", "cache")
-        self._bases: dict[str, Bases] = {}
+        self._bases: dict[tuple[str, str], Bases] = {}  # by (model, which): one run may switch models
 
     def config_for(self, bases: Bases) -> VarRateConfig:
         """Calibrated stride/window/n_anchors from the bases, as VarRateCache.from_pretrained does."""
@@ -61,10 +61,10 @@ class VarRateMethod:
         return VarRateConfig.preset(preset, **fields) if preset else VarRateConfig.from_dict(fields)
 
     def bases(self, ctx: Context, default: str) -> Bases:
-        which = self.spec.get("bases", default)
-        if which not in self._bases:
-            self._bases[which] = resolve_bases(ctx.model, ctx.model_name, which)
-        return self._bases[which]
+        key = (ctx.model_name, self.spec.get("bases", default))
+        if key not in self._bases:
+            self._bases[key] = resolve_bases(ctx.model, *key)
+        return self._bases[key]
 
     def compress(self, ctx: Context, default_bases: str = "shipped") -> Compressed:
         bases = self.bases(ctx, default_bases)
