@@ -51,12 +51,12 @@ def build_caches(model, bases, captured, budget: float, configs: list[str], pres
             options = {"coef_bits": int(bits.removesuffix("bit"))} if bits else {}
             config = VarRateConfig.preset(preset, budget=budget, storage=storage, **options)
             cache = VarRateCache(bases, config, model=model)
-        common.replay_into(cache, captured)
+        common.replay_into(cache, model, captured)
         caches[name] = cache
     return caches
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="float32")
@@ -69,17 +69,14 @@ def main(argv=None):
     parser.add_argument("--preset", choices=PRESETS, default="paper",
                         help="the VarRate configs' preset ('recommended': from_pretrained's default)")
     parser.add_argument("--out", default="decode")
-    args = parser.parse_args(argv)
-    doc = common.captured_document(args.model, args.dtype, args.length, args.threads)
-    env, model, ids, bases_name = doc.env, doc.model, doc.ids, doc.bases_name
-    configs = args.configs.split(",")
-    caches = build_caches(model, doc.bases, doc.captured, args.budget, configs, args.preset)
-    hf_varrate.bind(model)  # "+codes" needs the hook that tells compact layers the attention reads codes
-    first = ids[:, -1:]
-    decode(model, copy.deepcopy(caches["full"]), first, 2)  # warm-up
-    steps = {name: [] for name in configs}
-    rates = {name: [] for name in configs}
-    tokens = {}
+    return parser.parse_args(argv)
+
+
+def interleaved_decodes(model, caches: dict, first: torch.Tensor, args) -> tuple[dict, dict, dict]:
+    """`args.repeats` rounds, each decoding `args.new` tokens from a copy of every cache, in rotating order.
+    Returns (per-step seconds, tokens/s per repeat, the greedy tokens), each by configuration name."""
+    configs = list(caches)
+    steps, rates, tokens = {name: [] for name in configs}, {name: [] for name in configs}, {}
     for repeat in range(args.repeats):
         order = configs[repeat % len(configs):] + configs[: repeat % len(configs)]
         for name in order:
@@ -90,12 +87,11 @@ def main(argv=None):
             steps[name] += per_step
             rates[name].append(args.new / sum(per_step))
             common.log(f"repeat {repeat} {name}: {rates[name][-1]:.2f} tok/s")
-    footprints = {name: _bytes(cache) for name, cache in caches.items()}
-    result = {"env": env, "args": vars(args), "bases": bases_name,
-              "tokens_per_second": {n: common.summary(r) for n, r in rates.items()},
-              "step_seconds": {n: common.summary(s) for n, s in steps.items()},
-              "same_tokens_as_materialized": {n: tokens[n] == tokens.get("materialized") for n in configs},
-              "bytes_at_rest": footprints}
+    return steps, rates, tokens
+
+
+def markdown(result: dict, args, configs: list[str]) -> str:
+    footprints, env = result["bytes_at_rest"], result["env"]
     base = result["tokens_per_second"]["full"]["median"]
     materialized = result["tokens_per_second"].get("materialized", {}).get("median")
     rows = []
@@ -104,15 +100,31 @@ def main(argv=None):
         rows.append([name, rate["median"], rate["median"] / base,
                      rate["median"] / materialized if materialized else "", rate["spread"],
                      footprints[name]["held"] / 2**20, footprints[name]["held"] / footprints["full"]["held"]])
-    md = (f"## Decode at {args.length} tokens, {args.model} {args.dtype}, preset {args.preset!r}, budget {args.budget}, "
-          f"{args.threads} thread(s)\n\n"
-          + common.table(["cache", "tok/s (median)", "vs full", "vs materialized", "spread (max-min)/median",
-                          "K/V held MiB", "held vs full"], rows)
-          + f"\n\n`+codes`: under the \"varrate\" attention implementation (compact layers attend over their codes). "
-          f"Same greedy tokens as materialized: {result['same_tokens_as_materialized']}.\n"
-          f"{args.repeats} repeats x {args.new} tokens, configurations interleaved; load average "
-          f"{env['load_average']}; bases: {bases_name}.\n")
-    common.write_results(args.out, result, md)
+    return (f"## Decode at {args.length} tokens, {args.model} {args.dtype}, preset {args.preset!r}, "
+            f"budget {args.budget}, {args.threads} thread(s)\n\n"
+            + common.table(["cache", "tok/s (median)", "vs full", "vs materialized", "spread (max-min)/median",
+                            "K/V held MiB", "held vs full"], rows)
+            + f"\n\n`+codes`: under the \"varrate\" attention implementation (compact layers attend over their codes). "
+            f"Same greedy tokens as materialized: {result['same_tokens_as_materialized']}.\n"
+            f"{args.repeats} repeats x {args.new} tokens, configurations interleaved; load average "
+            f"{env['load_average']}; bases: {result['bases']}.\n")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    doc = common.captured_document(args.model, args.dtype, args.length, args.threads)
+    model, configs = doc.model, args.configs.split(",")
+    caches = build_caches(model, doc.bases, doc.captured, args.budget, configs, args.preset)
+    hf_varrate.bind(model)  # "+codes" needs the hook that tells compact layers the attention reads codes
+    first = doc.ids[:, -1:]
+    decode(model, copy.deepcopy(caches["full"]), first, 2)  # warm-up
+    steps, rates, tokens = interleaved_decodes(model, caches, first, args)
+    result = {"env": doc.env, "args": vars(args), "bases": doc.bases_name,
+              "tokens_per_second": {n: common.summary(r) for n, r in rates.items()},
+              "step_seconds": {n: common.summary(s) for n, s in steps.items()},
+              "same_tokens_as_materialized": {n: tokens[n] == tokens.get("materialized") for n in configs},
+              "bytes_at_rest": {name: _bytes(cache) for name, cache in caches.items()}}
+    common.write_results(args.out, result, markdown(result, args, configs))
 
 
 def _bytes(cache) -> dict:

@@ -20,25 +20,17 @@ import common
 from hf_varrate import VarRateCache, VarRateLayer
 
 
-def cast(captured, dtype):
-    out = {}
-    for i, x in captured.items():
-        out[i] = common.LayerInputs(x.keys.to(dtype), x.values.to(dtype), x.queries.to(dtype), x.cos.to(dtype),
-                                    x.sin.to(dtype), x.scaling, x.hidden_tail.to(dtype))
-    return out
-
-
 def errors(cache, captured) -> tuple[float, float]:
     """Relative Frobenius error of the stored keys and values against the exact ones, over all layers."""
     num_k = den_k = num_v = den_v = 0.0
     for i, layer in enumerate(cache.layers):
         if not isinstance(layer, VarRateLayer):
             continue
-        x = captured[i]
-        num_k += float((layer.keys.float() - x.keys.float()).square().sum())
-        den_k += float(x.keys.float().square().sum())
-        num_v += float((layer.values.float() - x.values.float()).square().sum())
-        den_v += float(x.values.float().square().sum())
+        keys, values = captured.keys[i].float(), captured.values[i].float()
+        num_k += float((layer.keys.float() - keys).square().sum())
+        den_k += float(keys.square().sum())
+        num_v += float((layer.values.float() - values).square().sum())
+        den_v += float(values.square().sum())
     return (num_k / den_k) ** 0.5, (num_v / den_v) ** 0.5
 
 
@@ -59,10 +51,10 @@ def main(argv=None):
     variants = [(None, "same_ranks")] + [(b, m) for b in (8, 4, 3) for m in ("same_ranks", "same_bytes")]
     results, rows = [], []
     for kv_dtype in (torch.float32, torch.bfloat16):
-        captured = captured32 if kv_dtype == torch.float32 else cast(captured32, kv_dtype)
+        captured = captured32 if kv_dtype == torch.float32 else captured32.with_kv_dtype(kv_dtype)
         for bits, mode in variants:
             cache = VarRateCache(bases, model=model, budget=args.budget, coef_bits=bits, quantized_budget=mode)
-            common.replay_into(cache, captured)
+            common.replay_into(cache, model, captured)
             fp = cache.footprint()
             ranks = torch.cat([layer.ranks.float() for layer in cache.layers if isinstance(layer, VarRateLayer)])
             err_k, err_v = errors(cache, captured)

@@ -2,10 +2,10 @@
 
 For each (model, dtype, length) in one process:
 
-1. a plain prefill (DynamicCache) whose per-layer codec inputs are captured (its time is a plain
-   sample; the capture only keeps references and computes the window queries the hook computes);
-2. the codec replayed on those inputs through `VarRateCache.update`, exactly as in a real prefill,
-   `--replays` times (codec seconds; the window-query hook timed separately), and once under
+1. a plain prefill (DynamicCache) whose per-layer codec inputs are captured with evaluation/'s toolkit
+   (its time is a plain sample; the capture keeps references and the last 64 rows of each attention input);
+2. the codec replayed on those inputs through the library's query hook and `VarRateCache.update`,
+   exactly as in a real prefill, `--replays` times (codec seconds, the hook included), and once under
    torch.profiler for the stage breakdown (the `varrate.<stage>` labels);
 3. `--inrun` real VarRate prefills with every layer's compression timed inside the run, so codec and
    model time are measured under the same load (overhead = codec / (wall - codec)), interleaved
@@ -98,29 +98,32 @@ def _hook_timers(model, spent):
 
 
 def replay_codec(model, bases, captured, config, implementation="fast") -> tuple[float, VarRateCache]:
+    """Seconds of the codec (the query hook and `VarRateCache.update`) replayed on a captured prefill."""
     cache = VarRateCache(bases, config, model=model, implementation=implementation)
-    seconds = common.replay_into(cache, captured)
-    return seconds + common.hook_seconds(model, captured), cache
+    return common.replay_into(cache, model, captured), cache
 
 
 def stage_profile(model, bases, captured, config) -> dict:
     cache = VarRateCache(bases, config, model=model)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        wall = common.replay_into(cache, captured)
+        wall = common.replay_into(cache, model, captured)
     stages = {e.key.removeprefix("varrate."): e.cpu_time_total / 1e6 for e in prof.key_averages()
               if e.key.startswith("varrate.")}
     return {"wall_under_profiler": wall, "stages": {s: stages.get(s, 0.0) for s in STAGES}}
 
 
-def codec_flops(cache: VarRateCache, captured) -> dict:
+def codec_flops(cache: VarRateCache, model) -> dict:
     """FLOPs of the fast path's arithmetic, from the shapes and the ranks it allocated."""
     total = {"salience": 0, "anchor_search": 0, "projection": 0, "reconstruction": 0, "rope": 0}
-    for i, layer in enumerate(cache.layers):
+    text = model.config.get_text_config(decoder=True)
+    heads_q = text.num_attention_heads
+    dim = getattr(text, "head_dim", None) or text.hidden_size // heads_q
+    for layer in cache.layers:
         if not isinstance(layer, VarRateLayer) or not layer.codes or layer.codes[0].stored_exactly:
             continue
-        code, x = layer.codes[0], captured[i]
-        _, heads_q, window, dim = x.queries.shape
+        code = layer.codes[0]
         seq, width = code.seq_len, code.width
+        window = min(cache.config.obs_window, seq)
         coded, anchors = code.ranks.numel(), code.anchor_pos.numel()
         blocks = sum(rows * (j1 - j0) for j0, j1, rows, _ in rank_order(code.ranks).blocks)
         total["salience"] += 2 * heads_q * window * seq * dim + 5 * heads_q * window * seq
@@ -147,8 +150,8 @@ def prefill_flops(model, length: int) -> float:
     return 2 * params * length + attention
 
 
-def run_config(cfg, args, models) -> dict:
-    name, dtype, length = cfg["model"], cfg["dtype"], cfg["length"]
+def warm_model(name: str, dtype: str, args, models: dict) -> tuple:
+    """(model, tokenizer, bases, bases name) for `name` in `dtype`, bound and warmed up; one model at a time."""
     if (name, dtype) not in models:
         models.clear()
         model, tokenizer = common.load(name, dtype)
@@ -158,7 +161,26 @@ def run_config(cfg, args, models) -> dict:
         plain_prefill(model, ids)  # warm-up
         varrate_prefill(model, ids, bases, args.config)
         models[(name, dtype)] = (model, tokenizer, bases, bases_name)
-    model, tokenizer, bases, bases_name = models[(name, dtype)]
+    return models[(name, dtype)]
+
+
+def live_prefills(model, ids, bases, cfg, args) -> tuple[list[float], list[float], list[float]]:
+    """`cfg['plain']` plain prefills interleaved with `cfg['inrun']` real VarRate ones: (plain seconds,
+    in-run overheads codec / (wall - codec), VarRate wall seconds)."""
+    plains, inrun, walls = [], [], []
+    for r in range(max(cfg["inrun"], cfg["plain"])):
+        if r < cfg["plain"]:
+            plains.append(plain_prefill(model, ids))
+        if r < cfg["inrun"]:
+            wall, codec = varrate_prefill(model, ids, bases, args.config)
+            walls.append(wall)
+            inrun.append(codec / (wall - codec))
+    return plains, inrun, walls
+
+
+def run_config(cfg, args, models) -> dict:
+    name, dtype, length = cfg["model"], cfg["dtype"], cfg["length"]
+    model, tokenizer, bases, bases_name = warm_model(name, dtype, args, models)
     ids = common.document_ids(tokenizer, length)
     common.log(f"{name} {dtype} {length}: capture")
     captured, first_plain = common.capture_prefill(model, ids)
@@ -171,16 +193,10 @@ def run_config(cfg, args, models) -> dict:
     reference = [replay_codec(model, bases, captured, args.config, "reference")[0]
                  for _ in range(args.replays if with_reference else 0)]
     stages = stage_profile(model, bases, captured, args.config)
-    flops = codec_flops(cache, captured)
+    flops = codec_flops(cache, model)
     fp = cache.footprint()
-    inrun, walls = [], []
-    for r in range(max(cfg["inrun"], cfg["plain"])):
-        if r < cfg["plain"]:
-            plains.append(plain_prefill(model, ids))
-        if r < cfg["inrun"]:
-            wall, codec = varrate_prefill(model, ids, bases, args.config)
-            walls.append(wall)
-            inrun.append(codec / (wall - codec))
+    more_plains, inrun, walls = live_prefills(model, ids, bases, cfg, args)
+    plains += more_plains
     del captured
     plain, replay = common.summary(plains), common.summary(replays)
     forward = prefill_flops(model, length)

@@ -27,7 +27,7 @@ from hf_varrate.codec.pipeline import code_layout, dense_coef_values
 from hf_varrate.codec.projection import DenseOrder, matmul_dtype
 from hf_varrate.codec.quantization import QuantizedCoefs
 from hf_varrate.config import PRESETS
-from hf_varrate.layer import VarRateLayer
+from hf_varrate import VarRateLayer
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -55,7 +55,7 @@ def fused_kernel(code) -> tuple | None:
     return read
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="float32")
@@ -65,42 +65,29 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="read")
-    args = parser.parse_args(argv)
-    doc = common.captured_document(args.model, args.dtype, args.length, args.threads)
-    env, model, bases_name = doc.env, doc.model, doc.bases_name
-    config = VarRateConfig.preset(args.preset, budget=args.budget, storage="compact")
-    cache = VarRateCache(doc.bases, config, model=model)
-    common.replay_into(cache, doc.captured)
-    text = model.config.get_text_config(decoder=True)
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    query = torch.randn(1, text.num_attention_heads, 1, head_dim, generator=torch.Generator().manual_seed(0))
-    query = query.to(model.dtype)
-    per_layer = []
-    for layer in cache.layers:
-        if not (isinstance(layer, VarRateLayer) and layer.attends_codes(None)):
-            continue
-        code = layer.codes[0]
-        mm_dtype = matmul_dtype(layer.config.projection_dtype, layer.keys.device)
-        row = {"layer": layer.layer_idx, "coded_tokens": int(code.ranks.numel()),
-               "mean_rank": float(code.ranks.float().mean())}
-        for path, context in (("c", contextlib.nullcontext), ("torch", native.disabled)):
-            with context():
-                row[f"read_ms_{path}"] = median_ms(lambda: layer.attend(query, None, head_dim**-0.5), args.repeats)
-                row[f"codes_ms_{path}"] = median_ms(lambda: attend._pieces(code, code_layout(code), mm_dtype),
-                                                    args.repeats)
-        kernel = fused_kernel(code)
-        row["fused_codes_ms"] = median_ms(kernel, args.repeats) if kernel else None
-        per_layer.append(row)
-        common.log(f"layer {layer.layer_idx}: read {row['read_ms_c']:.2f} ms (PyTorch only {row['read_ms_torch']:.2f}), "
-                   f"codes {row['codes_ms_c']:.2f} ms (PyTorch only {row['codes_ms_torch']:.2f}), fbgemm "
-                   f"{row['fused_codes_ms']} ms")
-    if not per_layer:
-        raise SystemExit(f"no layer attends over its codes at --length {args.length} (a prompt that short is stored "
-                         f"exactly): pass a longer --length")
-    keys = ("read_ms_c", "read_ms_torch", "codes_ms_c", "codes_ms_torch", "fused_codes_ms", "mean_rank")
-    med = {key: statistics.median(row[key] for row in per_layer) if per_layer[0][key] is not None else None
-           for key in keys}
-    result = {"env": env, "args": vars(args), "bases": bases_name, "layers": per_layer, "median": med}
+    return parser.parse_args(argv)
+
+
+def time_layer(layer, query: torch.Tensor, head_dim: int, repeats: int) -> dict:
+    """One compact layer: its whole read and its codes' part, with the C loops and PyTorch only, and fbgemm's."""
+    code = layer.codes[0]
+    mm_dtype = matmul_dtype(layer.config.projection_dtype, layer.keys.device)
+    row = {"layer": layer.layer_idx, "coded_tokens": int(code.ranks.numel()),
+           "mean_rank": float(code.ranks.float().mean())}
+    for path, context in (("c", contextlib.nullcontext), ("torch", native.disabled)):
+        with context():
+            row[f"read_ms_{path}"] = median_ms(lambda: layer.attend(query, None, head_dim**-0.5), repeats)
+            row[f"codes_ms_{path}"] = median_ms(lambda: attend._pieces(code, code_layout(code), mm_dtype), repeats)
+    kernel = fused_kernel(code)
+    row["fused_codes_ms"] = median_ms(kernel, repeats) if kernel else None
+    common.log(f"layer {layer.layer_idx}: read {row['read_ms_c']:.2f} ms (PyTorch only {row['read_ms_torch']:.2f}), "
+               f"codes {row['codes_ms_c']:.2f} ms (PyTorch only {row['codes_ms_torch']:.2f}), fbgemm "
+               f"{row['fused_codes_ms']} ms")
+    return row
+
+
+def markdown(result: dict, args) -> str:
+    med, per_layer, env = result["median"], result["layers"], result["env"]
     c_loops = "C loops" if native.available() else "C loops NOT BUILT here: PyTorch"
     rows = []
     for path, name in (("c", c_loops), ("torch", "PyTorch only")):
@@ -111,13 +98,35 @@ def main(argv=None):
     if med["fused_codes_ms"] is not None:
         rows += [["fbgemm 4-bit row-wise kernel + round to bf16, same values (not used by the library)",
                   med["fused_codes_ms"]]]
-    md = (f"## A compact layer's read at {args.length} tokens, {args.model} {args.dtype}, preset {args.preset!r}, "
-          f"budget {args.budget}, {args.threads} thread(s)\n\n"
-          + common.table(["part", "ms per layer (median over layers)"], rows)
-          + f"\n\n{len(per_layer)} layers, {per_layer[0]['coded_tokens']} coded tokens each, mean rank "
-          f"{med['mean_rank']:.0f}; medians of {args.repeats} repeats per layer. Load average {env['load_average']}; "
-          f"bases: {bases_name}.\n")
-    common.write_results(args.out, result, md)
+    return (f"## A compact layer's read at {args.length} tokens, {args.model} {args.dtype}, preset {args.preset!r}, "
+            f"budget {args.budget}, {args.threads} thread(s)\n\n"
+            + common.table(["part", "ms per layer (median over layers)"], rows)
+            + f"\n\n{len(per_layer)} layers, {per_layer[0]['coded_tokens']} coded tokens each, mean rank "
+            f"{med['mean_rank']:.0f}; medians of {args.repeats} repeats per layer. Load average {env['load_average']}; "
+            f"bases: {result['bases']}.\n")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    doc = common.captured_document(args.model, args.dtype, args.length, args.threads)
+    model = doc.model
+    config = VarRateConfig.preset(args.preset, budget=args.budget, storage="compact")
+    cache = VarRateCache(doc.bases, config, model=model)
+    common.replay_into(cache, model, doc.captured)
+    text = model.config.get_text_config(decoder=True)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    query = torch.randn(1, text.num_attention_heads, 1, head_dim, generator=torch.Generator().manual_seed(0))
+    query = query.to(model.dtype)
+    per_layer = [time_layer(layer, query, head_dim, args.repeats) for layer in cache.layers
+                 if isinstance(layer, VarRateLayer) and layer.attends_codes(None)]
+    if not per_layer:
+        raise SystemExit(f"no layer attends over its codes at --length {args.length} (a prompt that short is stored "
+                         f"exactly): pass a longer --length")
+    keys = ("read_ms_c", "read_ms_torch", "codes_ms_c", "codes_ms_torch", "fused_codes_ms", "mean_rank")
+    med = {key: statistics.median(row[key] for row in per_layer) if per_layer[0][key] is not None else None
+           for key in keys}
+    result = {"env": doc.env, "args": vars(args), "bases": doc.bases_name, "layers": per_layer, "median": med}
+    common.write_results(args.out, result, markdown(result, args))
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 Each version runs in its own subprocess (alternating, `--rounds` times): a plain prefill with its
 inputs captured, `--replays` codec replays through that version's `VarRateCache.update`, a second
 plain prefill; overhead = median codec seconds / median plain seconds, both measured in that process.
-The earlier commit is checked out with `git worktree` into a temporary folder and put first on
-PYTHONPATH (the benchmark helpers come from this checkout).
+The earlier commit is checked out with `git worktree` into a temporary folder and its package alone
+(hf_varrate/) is put first on PYTHONPATH (the benchmark helpers and evaluation/'s capture toolkit come
+from this checkout).
 
     python benchmarks/bench_versions.py --before 637449c      # the codec as first written
 """
@@ -26,7 +27,8 @@ import json, statistics, sys, torch
 sys.path.insert(0, {bench!r})
 torch.set_num_threads({threads})
 import common, hf_varrate
-from hf_varrate import VarRateCache
+from hf_varrate import VarRateCache, binding
+hook = getattr(binding, "prefill_hook", None) or binding._capture_prefill  # the hook's name before it was public
 model, tok = common.load({model!r})
 bases, _ = common.bases_for({model!r}, model)
 ids = common.document_ids(tok, {length})
@@ -36,7 +38,7 @@ def make():
         return VarRateCache(bases, model_config=model.config, model=model)
     except TypeError:  # versions before model= existed
         return VarRateCache(bases, model_config=model.config)
-codec = [common.replay_into(make(), captured) + common.hook_seconds(model, captured) for _ in range({replays})]
+codec = [common.replay_into(make(), model, captured, hook=hook) for _ in range({replays})]
 _, plain2 = common.capture_prefill(model, ids)
 print(json.dumps({{"package": hf_varrate.__file__, "plain": [plain, plain2], "codec": codec}}))
 """
@@ -67,12 +69,14 @@ def main(argv=None):
     env = common.environment()
     runs = {"before": [], "after": []}
     with tempfile.TemporaryDirectory() as tmp:
-        tree = os.path.join(tmp, "before")
+        tree, package = os.path.join(tmp, "before"), os.path.join(tmp, "package")
         subprocess.run(["git", "-C", str(common.REPO), "worktree", "add", "-q", "--detach", tree, args.before],
                        check=True)
+        os.makedirs(package)
+        os.symlink(os.path.join(tree, "hf_varrate"), os.path.join(package, "hf_varrate"))  # not its evaluation/
         try:
             for round_ in range(args.rounds):
-                for name, path in (("before", tree), ("after", None)):
+                for name, path in (("before", package), ("after", None)):
                     runs[name].append(run(path, args))
                     common.log(f"round {round_} {name}: overhead {runs[name][-1]['overhead']:.1%}")
         finally:

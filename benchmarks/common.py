@@ -1,7 +1,8 @@
-"""Shared pieces of the benchmarks: models, prompts, capture and replay of a prefill, timing, output.
+"""Shared pieces of the benchmarks: models, prompts, timing, output; capture and replay come from evaluation/.
 
 Every benchmark measures its comparisons side by side in one process (or one script run), repeats
-them, and reports medians and the spread; results go to benchmarks/results/<name>.json and .md.
+them, and reports medians and the spread; results go to benchmarks/runs/<name>.json and .md (not
+tracked; the numbers the README cites are copied to docs/results/benchmarks/).
 """
 
 from __future__ import annotations
@@ -18,7 +19,11 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
+RESULTS = REPO / "benchmarks" / "runs"
+if str(REPO) not in sys.path:  # the scripts run as files; evaluation/ (the capture toolkit) sits beside them
+    sys.path.append(str(REPO))  # appended: an earlier hf_varrate on PYTHONPATH (bench_versions.py) still wins
+
+from evaluation.capture import Captured, capture, replay  # noqa: E402
 
 
 # environment ---------------------------------------------------------------------------------------------
@@ -80,50 +85,22 @@ def document_ids(tokenizer, length: int, seed: int = 0) -> torch.Tensor:
         return torch.randint(100, min(tokenizer.vocab_size, 30000), (1, length), generator=g)
 
 
-# capture and replay of a prefill -----------------------------------------------------------------------------
-@dataclass
-class LayerInputs:
-    """What one VarRate layer sees at the prefill: K/V, the hook's context, and the hidden tail."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    queries: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-    scaling: float
-    hidden_tail: torch.Tensor  # [1, W, hidden]: what the hook reads to recompute the window queries
+# capture and replay of a prefill: the toolkit evaluation/ uses (evaluation/capture.py) -----------------------
+OBS_WINDOW = 64  # rows of each layer's attention input a capture keeps: the window queries' (obs_window)
 
 
-def capture_prefill(model, ids: torch.Tensor, obs_window: int = 64) -> tuple[dict[int, LayerInputs], float]:
-    """Run one plain prefill (DynamicCache) and keep every attention layer's codec inputs.
-    Returns (inputs per layer, seconds the prefill took including the capture's copies)."""
-    from transformers import DynamicCache
+def capture_prefill(model, ids: torch.Tensor) -> tuple[Captured, float]:
+    """One plain prefill with every layer's codec inputs kept (`evaluation.capture.capture`, wall clock).
+    Returns (the capture, the prefill's wall seconds including the capture's copies)."""
+    captured = capture(model, ids, timer=time.perf_counter, hidden_tail=OBS_WINDOW)
+    return captured, captured.seconds
 
-    from hf_varrate.binding import attention_modules, window_queries
-    from hf_varrate.codec.salience import attention_scale
 
-    contexts, kv, handles = {}, {}, []
-
-    def before(module, args, kwargs):
-        hidden = kwargs["hidden_states"]
-        cos, sin = kwargs["position_embeddings"]
-        window = min(obs_window, hidden.shape[1])
-        contexts[module.layer_idx] = (window_queries(module, hidden, cos, sin, window), cos, sin,
-                                      hidden[:, -window:].clone(), attention_scale(module))
-
-    cache = DynamicCache(config=model.config)
-    update = cache.update
-
-    def recording_update(key_states, value_states, layer_idx, *args, **kwargs):
-        kv[layer_idx] = (key_states, value_states)  # the prefill's own tensors; nothing mutates them
-        return update(key_states, value_states, layer_idx, *args, **kwargs)
-
-    cache.update = recording_update
-    for module in attention_modules(model):
-        handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
-    seconds = timed_forward(model, ids, cache, handles)
-    captured = {i: LayerInputs(*kv[i], *contexts[i][:3], contexts[i][4], contexts[i][3]) for i in kv}
-    return captured, seconds
+def replay_into(cache, model, captured: Captured, hook=None) -> float:
+    """Feed a captured prefill to `cache` as a bound model's prefill does (`evaluation.capture.replay`;
+    `hook`: the library's prefill hook, by default today's). Returns the wall seconds spent in the
+    VarRate layers: the query hook and the update."""
+    return replay(cache, model, captured, timer=time.perf_counter, hook=hook)
 
 
 @dataclass
@@ -136,7 +113,7 @@ class Document:
     bases: object
     bases_name: str
     ids: torch.Tensor
-    captured: dict
+    captured: Captured
 
 
 def captured_document(name: str, dtype: str, length: int, threads: int) -> Document:
@@ -162,43 +139,6 @@ def timed_forward(model, ids: torch.Tensor, cache, handles=()) -> float:
     finally:
         for handle in handles:
             handle.remove()
-
-
-def replay_into(cache, captured: dict[int, LayerInputs], layers=None) -> float:
-    """Feed captured prefill inputs to `cache`'s layers exactly as a real prefill does (hook context,
-    then update). Returns the seconds spent in the VarRate layers' updates."""
-    from hf_varrate import VarRateLayer
-    from hf_varrate.binding import PrefillContext
-
-    spent = 0.0
-    with torch.no_grad():
-        for i, layer in enumerate(cache.layers):
-            if layers is not None and i not in layers:
-                continue
-            x = captured[i]
-            if isinstance(layer, VarRateLayer):
-                layer.prefill_context = PrefillContext(x.queries, x.cos, x.sin, x.scaling, None)
-                start = time.perf_counter()
-                cache.update(x.keys, x.values, i)
-                spent += time.perf_counter() - start
-            else:
-                cache.update(x.keys, x.values, i)
-    return spent
-
-
-def hook_seconds(model, captured: dict[int, LayerInputs]) -> float:
-    """Seconds the prefill hook spends recomputing the window queries, over all VarRate layers."""
-    from hf_varrate.binding import attention_modules, window_queries
-
-    spent = 0.0
-    with torch.no_grad():
-        for module in attention_modules(model):
-            x = captured[module.layer_idx]
-            window = x.hidden_tail.shape[1]
-            start = time.perf_counter()
-            window_queries(module, x.hidden_tail, x.cos[:, -window:], x.sin[:, -window:], window)
-            spent += time.perf_counter() - start
-    return spent
 
 
 # timing and statistics -----------------------------------------------------------------------------------------

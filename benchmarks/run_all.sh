@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every benchmark with its default plan, one after the other (about 30 min on 2 busy CPU cores),
-# then the summary table. Results: benchmarks/results/*.json and *.md, SUMMARY.md.
+# then the summary table. Results: benchmarks/runs/*.json and *.md, SUMMARY.md (not tracked; the numbers
+# the README cites are copied to docs/results/benchmarks/).
 #   bash benchmarks/run_all.sh            (from the repository root, with .venv active)
 set -euo pipefail
 cd "$(dirname "$0")"

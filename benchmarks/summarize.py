@@ -1,4 +1,4 @@
-"""One table of the headline numbers from benchmarks/results/*.json -> benchmarks/results/SUMMARY.md."""
+"""One table of the headline numbers from benchmarks/runs/*.json -> benchmarks/runs/SUMMARY.md."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def prefill_rows(data) -> list[list]:
     return rows
 
 
-def main():
+def overhead_rows() -> list[list]:
     rows = []
     for name, label in (("prefill", ""), ("prefill_recommended", "recommended preset, "),
                         ("prefill_recommended_before", "recommended preset, code of bac70c9 (before), ")):
@@ -41,6 +41,11 @@ def main():
             text = ", ".join(f"{100 * r['overhead']:.1f}%" for r in items)
             rows.append([f"prefill overhead {name} ({versions['args']['before'] if name == 'before' else 'now'}), "
                          f"{versions['args']['model']} fp32 {versions['args']['length']}", text])
+    return rows
+
+
+def decode_rows() -> list[list]:
+    rows = []
     for name in ("decode", "decode_recommended", "decode_bf16", "decode_gemma"):
         decode = load(name)
         if decode:
@@ -58,6 +63,11 @@ def main():
                 + (f" (fbgemm's fused 4-bit kernel: {med['fused_codes_ms']:.2f})" if med["fused_codes_ms"] else ""))
         rows.append([f"compact read over the codes at {args['length']}, {args['model']} {args['dtype']}, "
                      f"preset {args['preset']}", text])
+    return rows
+
+
+def memory_rows() -> list[list]:
+    rows = []
     memory = load("memory")
     if memory:
         for r in memory["results"]:
@@ -71,6 +81,11 @@ def main():
                      f"{s['load_compact']['median']:.2f} s (compact), {s['load_materialized']['median']:.2f} s "
                      f"(materialized) vs {s['reprefill']['median']:.1f} s: "
                      + ", ".join(f"{k.removeprefix('load_')} {v:.0f}x" for k, v in loading["speedup_vs_reprefill"].items())])
+    return rows
+
+
+def footprint_rows() -> list[list]:
+    rows = []
     footprint = load("footprint")
     if footprint:
         for r in footprint["results"]:
@@ -78,8 +93,14 @@ def main():
             rows.append([f"footprint, {r['kv_dtype'].removeprefix('torch.')} K/V, {name}",
                          f"{100 * r['fraction']:.2f}% (mean rank {r['mean_rank']:.0f}, key err {r['key_error']:.3f}, "
                          f"value err {r['value_error']:.3f})"])
+    return rows
+
+
+def main():
+    rows = overhead_rows() + decode_rows() + memory_rows() + footprint_rows()
     md = "# Benchmark summary\n\n" + table(["what", "measured"], rows) + (
         "\n\nDetails, noise and commands: prefill.md, decode.md, read.md, memory.md, load.md, footprint.md beside this file.\n")
+    RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "SUMMARY.md").write_text(md)
     print(md)
 

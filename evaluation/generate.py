@@ -19,7 +19,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from .capture import attention_modules
+from hf_varrate.binding import attention_modules
 
 
 @contextlib.contextmanager

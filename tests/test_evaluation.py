@@ -298,15 +298,24 @@ def test_a_method_run_on_two_models_loads_each_models_own_bases(monkeypatch):
 
 
 def test_preset_spec_starts_from_the_library_preset_and_fields_override_it():
-    from hf_varrate import Bases, VarRateConfig
+    import warnings
+
+    from hf_varrate import Bases, VarRateConfig, VarRateWarning
     from evaluation.methods import make_method
 
-    bases = Bases.from_tensors({0: torch.eye(8)}, stride=16, window=64, n_anchors=4)
+    calibrated = {"stride": 16, "window": 64, "n_anchors": 4}
+    bases = Bases.from_tensors({0: torch.eye(8)}, spectra={0: torch.linspace(8, 1, 8)}, **calibrated)
     method = make_method("r", {"kind": "varrate", "preset": "recommended", "budget": 0.3, "signal": "residual"})
     config = method.config_for(bases)
-    assert config == VarRateConfig.preset("recommended", budget=0.3, signal="residual", stride=16, window=64,
-                                          n_anchors=4)
+    assert config == VarRateConfig.preset("recommended", budget=0.3, signal="residual", **calibrated)
     assert make_method("p", {"kind": "varrate", "budget": 0.3}).config_for(bases) == VarRateConfig(budget=0.3)
+    # the config is Bases.config's: bases without a spectrum fall back to balance='none', and say so
+    bare = Bases.from_tensors({0: torch.eye(8)}, **calibrated)
+    with pytest.warns(VarRateWarning, match="balance='none' is used"):
+        assert method.config_for(bare) == config.replace(balance="none")
+    with warnings.catch_warnings():  # a spec that sets a calibration setting means to: no warning
+        warnings.simplefilter("error")
+        assert make_method("s", {"kind": "varrate", "stride": 8}).config_for(bases) == VarRateConfig(stride=8)
 
 
 def test_fp16_fraction_counts_the_bytes_an_fp16_cache_would_hold(tiny_llama):
@@ -435,7 +444,7 @@ def test_kvpress_replay_equals_live_prefill(smollm2, press_name):
 def test_kvzip_replay_masks_equal_live(smollm2):
     from transformers import DynamicCache
 
-    from evaluation.capture import attention_modules
+    from hf_varrate.binding import attention_modules
     from evaluation.methods import make_method
     from evaluation.methods.kvpress_methods import clear_masks, local_name_or_path, pinned_kvzip_class
 

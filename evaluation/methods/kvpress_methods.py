@@ -26,7 +26,9 @@ import tempfile
 
 import torch
 
-from ..capture import attention_modules, clock, is_sliding
+from hf_varrate.binding import attention_modules
+
+from ..capture import clock, is_sliding
 from .base import Compressed, Context, Unsupported, dynamic_from_capture
 
 
@@ -108,7 +110,8 @@ def replay_press(press, ctx: Context, cache):
     """Call `press.forward_hook` per full-attention layer as a live prefill would; returns `cache`."""
     cap, length = ctx.captured, ctx.captured.length
     with torch.no_grad(), press(ctx.model), layer_typed_rotary(ctx.model):
-        for i, module in enumerate(attention_modules(ctx.model)):
+        for module in attention_modules(ctx.model):
+            i = module.layer_idx
             if is_sliding(ctx.model, i):
                 continue
             kwargs = {"hidden_states": cap.hidden[i], "past_key_values": cache, "attention_mask": None,

@@ -5,20 +5,22 @@ module would (it computes the window queries from the layer's input, cos/sin and
 `cache.update(keys, values)`, which compresses. `impl: press` runs hf_varrate.press.VarRatePress
 (the kvpress adapter) instead, through kvpress's forward_hook. Any VarRateConfig field may be given
 in the method spec (budget, signal, allocation, r_min, stride, ...), so new codec options need no
-harness change; `preset: recommended` starts from `VarRateConfig.preset("recommended")` instead of the defaults.
+harness change. The config comes from `Bases.config`: a spec without `preset:` is the paper preset with
+the bases' calibrated stride/window/n_anchors and the spec's fields on top; `preset: recommended` starts
+from that preset instead.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import torch
 
-from hf_varrate import Bases, VarRateCache, VarRateConfig
-from hf_varrate.binding import prefill_hook
+from hf_varrate import Bases, VarRateCache, VarRateConfig, VarRateWarning
 
-from ..capture import attention_modules, clock, is_sliding
+from ..capture import clock, replay
 from .base import Compressed, Context, dynamic_from_capture
 
 REPO = Path(__file__).resolve().parents[2]
@@ -55,10 +57,12 @@ class VarRateMethod:
         self._bases: dict[tuple[str, str], Bases] = {}  # by (model, which): one run may switch models
 
     def config_for(self, bases: Bases) -> VarRateConfig:
-        """Calibrated stride/window/n_anchors from the bases, as VarRateCache.from_pretrained does."""
-        fields = {**bases.calibrated_settings, **self.overrides}
-        preset = self.spec.get("preset")  # the library's named preset, then this spec's fields on top
-        return VarRateConfig.preset(preset, **fields) if preset else VarRateConfig.from_dict(fields)
+        """`bases.config(preset, **fields)`: the spec's preset ('paper' when it names none), the bases'
+        calibrated stride/window/n_anchors, then the spec's fields."""
+        with warnings.catch_warnings():  # a spec that sets stride/window/n_anchors means to: an ablation
+            warnings.filterwarnings("ignore", message=".*differ from the values these bases were calibrated",
+                                    category=VarRateWarning)
+            return bases.config(self.spec.get("preset", "paper"), **self.overrides)
 
     def bases(self, ctx: Context, default: str) -> Bases:
         key = (ctx.model_name, self.spec.get("bases", default))
@@ -79,21 +83,14 @@ class VarRateMethod:
             seconds = clock() - start
             return Compressed(cache, seconds, extra={"stored_bytes": press.layer_bytes()})
         cache = VarRateCache(bases, config, model_config=ctx.model.config)
-        cap = ctx.captured
-        with torch.no_grad():
-            for i, module in enumerate(attention_modules(ctx.model)):
-                if not is_sliding(ctx.model, i):
-                    kwargs = {"hidden_states": cap.hidden[i], "position_embeddings": (cap.cos[i], cap.sin[i]),
-                              "past_key_values": cache, "attention_mask": None}
-                    prefill_hook(module, (), kwargs)
-                cache.update(cap.keys[i], cap.values[i], i)
+        replay(cache, ctx.model, ctx.captured)
         seconds = clock() - start
         extra = {**rank_diagnostics(cache), **fp16_fraction(cache), "bases": self.spec.get("bases", default_bases),
-                 "bases_sha256": _weights_sha(bases)}
+                 "bases_sha256": weights_sha(bases)}
         return Compressed(cache, seconds, extra=extra)
 
 
-def _weights_sha(bases: Bases) -> str | None:
+def weights_sha(bases: Bases) -> str | None:
     """The first 12 hex digits of the bases tensor file's sha256 (identity bases: None)."""
     sha = bases.metadata.get("sha256")
     sha = sha.get("bases.safetensors") if isinstance(sha, dict) else sha
