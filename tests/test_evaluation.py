@@ -1,6 +1,6 @@
-"""The evaluation harness: statistics against hand-computed cases (any venv), the VarRatePress
-import contract (any venv), and, where kvpress is installed (.venv-eval: kvpress pins
-transformers < 5.3), replay-vs-live equivalence of every method kind and the smoke config."""
+"""The evaluation harness and the studies built on it (studies/): statistics against hand-computed cases
+(any venv), the VarRatePress import contract (any venv), and, where kvpress is installed (.venv-eval:
+kvpress pins transformers < 5.3), replay-vs-live equivalence of every method kind and the smoke config."""
 
 from __future__ import annotations
 
@@ -131,8 +131,9 @@ def test_processes_stopping_together_each_keep_their_run_info_entry(tmp_path):
     assert sorted(s["status"] for s in sessions) == sorted(f"p{p}-{i}" for p in range(4) for i in range(3))
 
 
+# studies/ -------------------------------------------------------------------------------------------
 def test_needle_confusions_tell_another_needles_value_from_a_lost_one():
-    from evaluation.needle_confusions import classify, confusions, planted
+    from studies.needle_confusions import classify, confusions, planted
     from evaluation.tasks.needle import NEEDLE
 
     text = " ".join(NEEDLE.format(key=k, value=v) for k, v in [("odd-tiger", "1234567"), ("calm-river", "7654321")])
@@ -149,7 +150,7 @@ def test_needle_confusions_tell_another_needles_value_from_a_lost_one():
 
 
 def test_needle_attention_locates_each_needles_key_words_and_value(smollm2):
-    from evaluation.needle_attention import ASKED_PATTERN, GROUPS, token_groups
+    from studies.needle_attention import ASKED_PATTERN, GROUPS, token_groups
     from evaluation.tasks import build_examples
 
     _, tokenizer = smollm2
@@ -171,7 +172,7 @@ def test_needle_attention_locates_each_needles_key_words_and_value(smollm2):
 def test_needle_attention_puts_back_exact_rows_in_a_copy_and_groups_query_heads():
     from types import SimpleNamespace
 
-    from evaluation.needle_attention import _ranks_at, answer_attention, put_back, relative_error
+    from studies.needle_attention import answer_attention, put_back, ranks_at, relative_error
 
     torch.manual_seed(0)
     exact = {0: torch.randn(1, 2, 6, 4)}
@@ -190,12 +191,12 @@ def test_needle_attention_puts_back_exact_rows_in_a_copy_and_groups_query_heads(
     assert torch.allclose(weights[2], torch.softmax(exact[0][0, 1] @ query[2] * 0.5, dim=0))
     code = SimpleNamespace(stored_exactly=False, coded_pos=torch.tensor([1, 2, 4, 5]),
                            ranks=torch.tensor([8, 9, 10, 11]))
-    assert _ranks_at(code, torch.tensor([0, 2, 5]), 6).tolist() == [9.0, 11.0]  # position 0 is exact: no rank
-    assert _ranks_at(SimpleNamespace(stored_exactly=True), torch.tensor([0]), 6) is None
+    assert ranks_at(code, torch.tensor([0, 2, 5]), 6).tolist() == [9.0, 11.0]  # position 0 is exact: no rank
+    assert ranks_at(SimpleNamespace(stored_exactly=True), torch.tensor([0]), 6) is None
 
 
 def test_needle_attention_counts_paired_flips_per_variant():
-    from evaluation.needle_attention import GROUPS, NEEDLES, VARIANTS, flips, summarize
+    from studies.needle_attention import GROUPS, NEEDLES, VARIANTS, flips, summarize
 
     answers = [{"full": "right", "codes": "another needle"}, {"full": "right", "codes": "right"},
                {"full": "another needle", "codes": "right"}, {"full": "right", "codes": "another needle"}]
@@ -210,7 +211,7 @@ def test_needle_attention_counts_paired_flips_per_variant():
 
 
 def test_needle_attention_refuses_a_malformed_override_or_an_unknown_variant_before_loading_a_model():
-    from evaluation.needle_attention import main
+    from studies.needle_attention import main
 
     with pytest.raises(SystemExit, match="FIELD=VALUE"):
         main(["--set", "signal"])
@@ -225,7 +226,7 @@ def test_needle_attention_refuses_a_malformed_override_or_an_unknown_variant_bef
 def test_kept_digits_counts_the_layer_heads_whose_pruned_keys_hold_each_position():
     from types import SimpleNamespace
 
-    from evaluation.kept_digits import kept_share
+    from studies.kept_digits import kept_share
 
     torch.manual_seed(0)
     keys = [torch.randn(1, 2, 10, 4) for _ in range(2)]

@@ -1,4 +1,4 @@
-"""Multi-key needles: is a wrong answer another needle's value? `python -m evaluation.needle_confusions`.
+"""Multi-key needles: is a wrong answer another needle's value? `python -m studies.needle_confusions`.
 
 RULER's multi-key task plants four needles "One of the special magic numbers for {key} is: {value}."
 and asks for one key. A wrong answer is either another planted needle's value (the model found the
@@ -6,7 +6,10 @@ needles but bound the asked key to the wrong one: a confusion) or a number that 
 (the value itself was lost). This reads a run's examples.jsonl, rebuilds each example's prompt as
 the runner does (tokenizer only, no forward pass), and counts the kinds per method, length and regime.
 
-    python -m evaluation.needle_confusions --model gemma-3-270m
+    python -m studies.needle_confusions --model gemma-3-270m
+
+It reads the rows of `python -m evaluation.run --config evaluation/configs/full.yaml` (evaluation/runs/full/);
+the rows the README cites are in git history: `git show 81a3a85:evaluation/results/full/examples.jsonl`.
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ from pathlib import Path
 
 from hf_varrate.models import DEFAULT_MODELS, load_default_model
 
-from .tasks import build_examples
-from .tasks.needle import NEEDLE
+from evaluation.tasks import build_examples
+from evaluation.tasks.needle import NEEDLE
 
 KINDS = ("right", "another needle", "not planted", "no number")
 
@@ -62,7 +65,7 @@ def confusions(rows: list[dict], texts: dict[tuple[int, str], str]) -> dict[tupl
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--results", default="evaluation/results/full", help="a run's output directory")
+    parser.add_argument("--results", default="evaluation/runs/full", help="a run's output directory")
     parser.add_argument("--model", default="gemma-3-270m", choices=sorted(DEFAULT_MODELS))
     args = parser.parse_args(argv)
     path = Path(args.results) / "examples.jsonl"

@@ -1,8 +1,8 @@
-"""Which of a needle's digit tokens an eviction press keeps: `python -m evaluation.kept_digits`.
+"""Which of a needle's digit tokens an eviction press keeps: `python -m studies.kept_digits`.
 
 Both default models tokenize a number digit by digit, so a 7-digit needle is 7 tokens and an answer
 must copy all of them. For the first examples of the single-needle task (query-aware: the question is
-inside the compressed prompt), this replays a kvpress press through the harness and prints, per digit
+inside the compressed prompt), this replays a kvpress press through the evaluation harness and prints, per digit
 position of the needle, the share of (full-attention layer, KV head) pairs whose kept keys include
 that digit's key.
 It is the evidence behind the report's needle-digits table (`needle_digits.csv`): an answer that gets
@@ -17,10 +17,10 @@ import torch
 
 from hf_varrate.models import DEFAULT_MODELS, load_default_model
 
-from .capture import capture, full_attention_layers
-from .methods import Context, make_method
-from .run import quiet
-from .tasks import build_examples
+from evaluation.capture import capture, full_attention_layers
+from evaluation.methods import Context, make_method
+from evaluation.run import quiet
+from evaluation.tasks import build_examples
 
 
 def kept_share(original_keys: list[torch.Tensor], cache, layers: list[int], span: slice) -> torch.Tensor:

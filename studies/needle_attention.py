@@ -1,4 +1,4 @@
-"""Multi-key needles: what the codes lose where a key is bound to its value. `python -m evaluation.needle_attention`.
+"""Multi-key needles: what the codes lose where a key is bound to its value. `python -m studies.needle_attention`.
 
 `needle_confusions` showed that the `recommended` preset's wrong multi-key answers on Gemma-3 are
 mostly another planted needle's value: the number survives, the binding to its key does not. This
@@ -17,12 +17,13 @@ the preset's held-out splits use 200+), query-agnostic (the document compressed 
    codes as they are and against the full cache in paired flips (+: examples it gets right that the
    other does not; -: the reverse). A group whose exact keys move the answers is where the binding is lost.
 
-    python -m evaluation.needle_attention --n 40 --out evaluation/results/needle_attention/gemma-3-270m-L4096-dev
+    python -m studies.needle_attention --n 40 --out studies/runs/needle_attention/gemma-3-270m-L4096-dev
 
 `--set FIELD=VALUE` changes the method's spec (e.g. `--set signal=residual`: does a rank signal find
 the needle sentences?) and `--variants` picks the counterfactuals (the codes and the full cache always run).
 
 A diagnostic, not a result: nothing is chosen on it, and it runs outside the evaluation's examples.
+The tables of the runs the README cites are in docs/results/needle_attention/.
 """
 
 from __future__ import annotations
@@ -38,18 +39,18 @@ from pathlib import Path
 import torch
 import yaml
 
-from hf_varrate.binding import window_queries
+from evaluation.capture import capture, full_attention_layers
+from evaluation.config import REPO, load_config
+from evaluation.generate import greedy_answer
+from evaluation.methods import Context, make_method
+from evaluation.methods.base import dynamic_from_capture
+from evaluation.run import quiet
+from evaluation.tasks import build_examples
+from evaluation.tasks.needle import ANSWER_PREFIX
+from hf_varrate.binding import attention_modules, window_queries
 from hf_varrate.models import DEFAULT_MODELS, load_default_model
 
-from .capture import attention_modules, capture, full_attention_layers
-from .config import REPO, load_config
-from .generate import greedy_answer
-from .methods import Context, make_method
-from .methods.base import dynamic_from_capture
 from .needle_confusions import KINDS, NEEDLE_PATTERN, classify, planted, template_pattern
-from .run import quiet
-from .tasks import build_examples
-from .tasks.needle import ANSWER_PREFIX
 
 PARTS = ("key words", "value", "rest")  # of a needle sentence: its "{key}", its "{value}", its other words
 ASKED_PATTERN = template_pattern(ANSWER_PREFIX, key=r"(\S+)")  # the asked key, in the tail's answer prefix
@@ -98,7 +99,7 @@ def token_groups(tokenizer, ids: list[int], asked: str) -> dict[str, torch.Tenso
     return {g: torch.tensor([i for i, h in enumerate(group_of) if h == g], dtype=torch.long) for g in GROUPS}
 
 
-def _ranks_at(code, positions: torch.Tensor, length: int) -> torch.Tensor | None:
+def ranks_at(code, positions: torch.Tensor, length: int) -> torch.Tensor | None:
     """The ranks of the coded tokens among `positions` ([k] float); None where the layer stored its prompt exactly."""
     if code.stored_exactly:
         return None
@@ -130,13 +131,22 @@ def put_back(cache, exact, layers: list[int], which: str, positions: torch.Tenso
 def diagnose(model, tokenizer, model_name: str, example, method, variants=tuple(VARIANTS)) -> dict:
     """Group errors and ranks, attention masses and counterfactual answers (`variants`) of one multi-key example."""
     seg = example.segments
-    prompt = seg.context + seg.question + seg.tail
-    captured = capture(model, prompt)
+    captured = capture(model, seg.context + seg.question + seg.tail)
     context = captured.prefix(len(seg.context))
-    compressed = method.compress(Context(model, tokenizer, model_name, context, seg.context))
-    cache, layers = compressed.cache, full_attention_layers(model)
+    cache = method.compress(Context(model, tokenizer, model_name, context, seg.context)).cache
+    layers = full_attention_layers(model)
     asked = ASKED_PATTERN.search(tokenizer.decode(seg.tail)).group(1)
     groups = token_groups(tokenizer, seg.context, asked)
+    found = {**group_errors(context, cache, layers, groups), **answer_masses(model, captured, context, cache, groups)}
+    answers = counterfactual_answers(model, tokenizer, example, context, cache, groups, variants)
+    values = planted(tokenizer.decode(seg.context))
+    found["answers"] = {k: classify(v, example.answers[0], values) for k, v in answers.items()}
+    found["predictions"] = answers
+    return found
+
+
+def group_errors(context, cache, layers: list[int], groups: dict) -> dict:
+    """Per token group: key and value relative errors, the share of keys stored exactly, the coded tokens' mean rank."""
     found = {}
     for kind, exact in (("key", context.keys), ("value", context.values)):
         coded = {i: getattr(cache.layers[i], kind + "s")[0, :, : context.length] for i in layers}
@@ -147,11 +157,18 @@ def diagnose(model, tokenizer, model_name: str, example, method, variants=tuple(
                 same = torch.stack([(exact[i][0][:, where] == coded[i][:, where]).all(dim=(0, 2)) for i in layers])
                 found[f"exact share: {group}"] = float(same.float().mean())
     for group, where in groups.items():  # the rank each layer's codes gave the group's coded tokens
-        ranks = [_ranks_at(cache.layers[i].codes[0], where, context.length) for i in layers]
+        ranks = [ranks_at(cache.layers[i].codes[0], where, context.length) for i in layers]
         ranks = torch.cat([r for r in ranks if r is not None] or [torch.zeros(0)])
         found[f"mean rank: {group}"] = float(ranks.mean()) if ranks.numel() else None
-    modules = attention_modules(model)
-    for i in layers:
+    return found
+
+
+def answer_masses(model, captured, context, cache, groups: dict) -> dict:
+    """Per full-attention layer: attention mass of the answer-predicting query on the asked and other needles,
+    over the exact prompt keys and over the coded ones (the tail's keys exact in both)."""
+    found = {}
+    modules = {m.layer_idx: m for m in attention_modules(model)}
+    for i in full_attention_layers(model):
         query = window_queries(modules[i], captured.hidden[i], captured.cos[i], captured.sin[i], 1)[0, :, 0]
         tail_keys = captured.keys[i][0, :, context.length :]
         coded_keys = cache.layers[i].keys[0, :, : context.length]
@@ -160,9 +177,14 @@ def diagnose(model, tokenizer, model_name: str, example, method, variants=tuple(
             for needle, parts in NEEDLES.items():
                 where = torch.cat([groups[g] for g in parts])
                 found[f"attention {name} L{i}: {needle}"] = float(weights[:, where].sum(dim=1).mean())
-    fed, start = seg.fed_after("query_agnostic"), len(seg.context)
+    return found
+
+
+def counterfactual_answers(model, tokenizer, example, context, cache, groups: dict, variants) -> dict[str, str]:
+    """Greedy answers from the full cache and from the codes with each variant's groups put back exact."""
+    seg, layers = example.segments, full_attention_layers(model)
+    fed, start, new = seg.fed_after("query_agnostic"), len(seg.context), example.max_new_tokens
     full = dynamic_from_capture(model, context)
-    new = example.max_new_tokens
     answers = {"full": greedy_answer(model, tokenizer, full, None, fed, start, new, copy_cache=False)}
     for variant in variants:
         which, names = VARIANTS[variant]
@@ -172,10 +194,7 @@ def diagnose(model, tokenizer, model_name: str, example, method, variants=tuple(
             exact = context.keys if which == "keys" else context.values
             variant_cache = put_back(cache, exact, layers, which, positions)
         answers[variant] = greedy_answer(model, tokenizer, variant_cache, None, fed, start, new)
-    values = planted(tokenizer.decode(seg.context))
-    found["answers"] = {k: classify(v, example.answers[0], values) for k, v in answers.items()}
-    found["predictions"] = answers
-    return found
+    return answers
 
 
 def summarize(results: list[dict], layers: list[int]) -> str:
@@ -211,7 +230,7 @@ def flips(answers: list[dict], variant: str, other: str) -> tuple[int, int]:
     return sum(v and not o for v, o in right), sum(o and not v for v, o in right)
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gemma-3-270m", choices=sorted(DEFAULT_MODELS))
     parser.add_argument("--length", type=int, default=4096)
@@ -227,8 +246,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.n < 1:
         raise SystemExit(f"--n must be at least 1, got {args.n}")
-    quiet()
-    torch.set_num_threads(args.threads)
+    return args
+
+
+def chosen_method(args) -> tuple:
+    """(the method full.yaml's `--method` names with `--set` on top, its display name, the variants to run);
+    every argument is checked here, before a model loads."""
     spec = load_config(REPO / "evaluation/configs/full.yaml").methods.get(args.method)
     if spec is None or spec["kind"] != "varrate":
         raise SystemExit(f"--method {args.method!r} is not a varrate method of evaluation/configs/full.yaml")
@@ -245,6 +268,14 @@ def main(argv=None) -> int:
     variants = ["codes", *(v for v in variants if v != "codes")]
     name = args.method + "".join(f" {k}={v}" for k, v in overrides.items())
     method = make_method(name, {**spec, **overrides, "storage": "materialized"})  # patches write into the K/V
+    return method, name, variants
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    quiet()
+    torch.set_num_threads(args.threads)
+    method, name, variants = chosen_method(args)
     model, tokenizer = load_default_model(args.model)
     chat = DEFAULT_MODELS[args.model].chat_template
     out = Path(args.out) if args.out else None
@@ -259,7 +290,7 @@ def main(argv=None) -> int:
         if out:
             with (out / "examples.jsonl").open("a") as f:
                 f.write(json.dumps({"example_id": example.example_id, **results[-1]}, sort_keys=True) + "\n")
-    command = "python -m evaluation.needle_attention " + shlex.join(argv if argv is not None else sys.argv[1:])
+    command = "python -m studies.needle_attention " + shlex.join(argv if argv is not None else sys.argv[1:])
     summary = (f"# {args.model}, niah_multikey at {args.length}, examples {args.first}-{args.first + args.n - 1}, "
                f"query-agnostic, {name}\n\n`{command}`; full-attention layers {full_attention_layers(model)}; "
                f"attention: at the token that predicts the answer, mean over query heads\n\n"
