@@ -38,7 +38,7 @@ class EvalConfig:
     methods: dict[str, dict]
     stages: list[Stage]
     comparisons: list[list[str]] = field(default_factory=list)
-    output: str = ""
+    output: str = ""  # relative to the repository; default evaluation/runs/<name> (git-ignored)
     threads: int = 1  # 1: no OpenMP thread spins while the shared CPU is busy (CPU-time cost instrument)
     bootstrap_samples: int = 20_000
     wait_for_bases_s: int = 0  # poll this long for shipped bases that are still being built
@@ -46,7 +46,7 @@ class EvalConfig:
 
     @property
     def output_dir(self) -> Path:
-        return REPO / (self.output or f"evaluation/results/{self.name}")
+        return REPO / (self.output or f"evaluation/runs/{self.name}")  # not tracked: see docs/results/
 
 
 def load_config(path: str | Path) -> EvalConfig:
