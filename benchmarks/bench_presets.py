@@ -1,4 +1,4 @@
-"""Held-out reconstruction error of the paper's defaults, each issue #8 option and the `recommended` preset.
+"""Held-out reconstruction error of the paper's defaults, each beyond-the-paper option and the `recommended` preset.
 
 The mechanism behind the needle results: how well keys and values come back at the same bytes.
 Relative Frobenius error of the coded tokens, mean over layers, on held-out Wikipedia contexts (the
