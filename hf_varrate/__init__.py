@@ -7,15 +7,16 @@ model=model)`) installs the only hooks, `unbind(model)` removes them.
 """
 
 from .attention import ATTENTION
-from .bases import Bases, BasesError
+from .bases import Bases
 from .binding import bind, bound, is_bound, unbind
-from .cache import Footprint, LayerFootprint, VarRateCache, VarRateLayer, VarRateWarning
+from .cache import Footprint, VarRateCache
 from .config import VarRateConfig
-from .serialization import CacheFileError
-
-__version__ = "0.1.0"
+from .errors import BasesError, CacheFileError, VarRateWarning
+from .layers import CompactLayer, LayerFootprint, MaterializedLayer, VarRateLayer
+from .version import __version__
 
 __all__ = [
-    "ATTENTION", "Bases", "BasesError", "CacheFileError", "Footprint", "LayerFootprint", "VarRateCache", "VarRateConfig",
-    "VarRateLayer", "VarRateWarning", "bind", "bound", "is_bound", "unbind", "__version__",
+    "ATTENTION", "Bases", "BasesError", "CacheFileError", "CompactLayer", "Footprint", "LayerFootprint",
+    "MaterializedLayer", "VarRateCache", "VarRateConfig", "VarRateLayer", "VarRateWarning", "bind", "bound",
+    "is_bound", "unbind", "__version__",
 ]

@@ -45,3 +45,27 @@ def layer_types(config) -> list[str]:
         return ["sliding_attention" if kind in ("sliding_attention", "chunked_attention") else kind for kind in types]
     kind = "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
     return [kind] * config.num_hidden_layers
+
+
+def check_fits(shape, layer_idx: int, *, num_layers: int | None = None, num_kv_heads: int | None = None,
+               head_dim: int | None = None) -> None:
+    """Raise ValueError unless what a forward brings fits the model a VarRateCache was built for.
+
+    A cache holds one model's K/V: another model's would crash on a shape deep inside attention, or
+    (same shapes, fewer layers) silently attend to keys it never computed. `shape` is a `ModelShape`.
+    """
+    seen = {"num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
+    for name, value in seen.items():
+        expected = getattr(shape, name)
+        if value is not None and value != expected:
+            raise ValueError(
+                f"this VarRateCache was built for a model with {name}={expected} but is used (layer {layer_idx}) "
+                f"by a model with {name}={value}; a cache holds one model's K/V: build a new cache for this "
+                f"model with VarRateCache.from_pretrained(bases, model=model)"
+            )
+    if not 0 <= layer_idx < shape.num_layers:
+        raise ValueError(
+            f"layer_idx must be in [0, {shape.num_layers}) for this VarRateCache, got {layer_idx}: the model "
+            f"has more layers than the one the cache was built for; build a new cache for this model with "
+            f"VarRateCache.from_pretrained(bases, model=model)"
+        )

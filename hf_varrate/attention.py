@@ -46,7 +46,7 @@ def varrate_attention(module, query, key, value, attention_mask, dropout: float 
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if dropout or not layer.attends_codes(attention_mask):
-        keys, values = layer._read()
+        keys, values = layer.read()
         return sdpa_attention_forward(module, query, keys, values, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     return layer.attend(query, attention_mask, scaling, softcap=kwargs.get("softcap")), None

@@ -16,31 +16,40 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
-import uuid
+import warnings
 from pathlib import Path
 
 import torch
 
 from .architecture import ModelShape, describe
 from .bases_checks import (  # noqa: F401 (re-exported: the artifact's names and checks live there)
+    ARTIFACT_FILES,
     BUILD_HINT,
+    CARD_NAME,
     CONFIG_NAME,
     FLOAT_DTYPES,
     INT_FIELDS,
     WEIGHTS_NAME,
-    BasesError,
     build_hint,
     check_basis,
     check_metadata,
     check_spectrum,
     check_tensors,
+    looks_local,
+    read_files,
 )
+from .card import render_card
+from .codec.balance import balanced_basis
+from .codec.layer_budget import energy_shares
+from .config import VarRateConfig
+from .errors import BasesError, VarRateWarning
+from .files import write_atomic
+from .hub import download_bases, upload_folder
+from .version import __version__
 
-CARD_NAME = "README.md"
-ARTIFACT_FILES = (WEIGHTS_NAME, CONFIG_NAME, CARD_NAME)
 FORMAT_VERSION = 1  # spectrum.<i> is optional, so artifacts with and without it share version 1
-MAX_CONFIG_BYTES = 1 << 20  # a config.json is a few KB; anything larger is not ours
 SHAPE_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "width", "compressed_layers")
 
 
@@ -60,6 +69,9 @@ class Bases:
         # fp32 on the CPU from the start, so what is in memory is what a save and a load give back
         self.spectra = {int(i): s.detach().to("cpu", torch.float32).contiguous() for i, s in (spectra or {}).items()}
         self._resident: dict[tuple[int, str], torch.Tensor] = {}
+        self._balanced: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}  # coding spaces, per device
+        self._balanced_spectra: dict[int, torch.Tensor] = {}
+        self._energies: dict[str, tuple[torch.Tensor, dict[int, int]]] = {}
 
     # construction -----------------------------------------------------------------------------------
     @classmethod
@@ -90,6 +102,36 @@ class Bases:
         the defaults a cache coding with them should use."""
         return {k: self.metadata[k] for k in ("stride", "window", "n_anchors") if k in self.metadata}
 
+    def config(self, preset: str = "recommended", *, stacklevel: int = 2, **overrides) -> VarRateConfig:
+        """The config a cache coding with these bases uses: `preset`'s defaults ('recommended' or 'paper'),
+        the calibration settings (stride, window, n_anchors), then `overrides`. The one way every
+        caller (the cache, the kvpress press, the evaluation harness) builds a config. Two rules, each
+        announced with a VarRateWarning:
+
+        - an override of a calibration setting is kept, with a warning (the residuals then follow other
+          statistics than the basis was fitted to);
+        - the 'recommended' preset's balance='rms' needs the calibration spectrum; with bases that carry
+          none (identity bases, older artifacts) it falls back to balance='none' instead of failing at
+          the prefill. Passing balance= explicitly turns this rule off.
+        """
+        calibrated = self.calibrated_settings
+        changed = {k: v for k, v in overrides.items() if k in calibrated and v != calibrated[k]}
+        if changed:
+            warnings.warn(
+                f"{changed} differ from the values these bases were calibrated with "
+                f"({ {k: calibrated[k] for k in changed} }); the residuals then follow other statistics than the "
+                f"basis was fitted to. Recalibrate with the same settings (hf-varrate calibrate --stride ...) to "
+                f"match them", VarRateWarning, stacklevel=stacklevel)
+        config = VarRateConfig.preset(preset, **{**calibrated, **overrides})
+        if config.balance != "none" and "balance" not in overrides and not self.spectra:
+            warnings.warn(
+                f"preset {preset!r} balances keys and values (balance={config.balance!r}), which needs bases that "
+                f"carry their calibration spectrum; these carry none, so balance='none' is used. Recalibrate them "
+                f"with this version (hf-varrate calibrate ...) to get it, or pass balance='none' to silence this",
+                VarRateWarning, stacklevel=stacklevel)
+            config = config.replace(balance="none")
+        return config
+
     @property
     def rank(self) -> int:
         return int(self.metadata["rank"])
@@ -115,6 +157,56 @@ class Bases:
             raise BasesError(f"bases carry a spectrum for layers {sorted(self.spectra)} but not for layer "
                              f"{layer_idx}; pass spectra for every layer or none")
         return self.spectra[layer_idx].to(device or "cpu")
+
+    # coding spaces ------------------------------------------------------------------------------------
+    def coding_basis(self, layer_idx: int, balance: str, device=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The basis [R, D] fp32 a layer codes with and its half scales [D] (None: unbalanced, the paper's
+        z_t); balance='rms' derives them once per layer and device (`codec.balance.balanced_basis`)."""
+        basis = self.for_layer(layer_idx, device)
+        if balance == "none":
+            return basis, None
+        key = (layer_idx, str(basis.device))
+        if key not in self._balanced:
+            spectrum = self.spectrum(layer_idx)
+            if spectrum is None:
+                raise ValueError(
+                    f"balance={balance!r} needs bases that carry their calibration spectrum (tensors spectrum.<i>), "
+                    f"and these have none for layer {layer_idx}; recalibrate them with this version of hf_varrate "
+                    f"(hf-varrate calibrate ...) or use balance='none'"
+                )
+            balanced, scales, singular = balanced_basis(basis, spectrum)
+            self._balanced[key] = balanced, scales
+            self._balanced_spectra[layer_idx] = singular
+        return self._balanced[key]
+
+    def coding_energies(self, balance: str) -> tuple[torch.Tensor, dict[int, int]]:
+        """(energies [L, R] of every compressed layer's coding space, {layer index: row}) for per-layer
+        budgets (`codec.layer_budget`): the shipped spectra, or the balanced space's for balance='rms'."""
+        if balance not in self._energies:
+            layers = sorted(self.tensors)
+            missing = [i for i in layers if self.spectrum(i) is None]
+            if missing:
+                raise ValueError(
+                    f"layer_budgets='spectrum' needs bases that carry their calibration spectrum (tensors "
+                    f"spectrum.<i>), and these have none for layers {missing[:5]}; recalibrate them with this "
+                    f"version of hf_varrate (hf-varrate calibrate ...) or use layer_budgets='uniform'"
+                )
+            if balance == "none":
+                spectra = [self.spectrum(i) for i in layers]
+            else:
+                for i in layers:
+                    self.coding_basis(i, balance)
+                spectra = [self._balanced_spectra[i] for i in layers]
+            self._energies[balance] = energy_shares(spectra), {i: row for row, i in enumerate(layers)}
+        return self._energies[balance]
+
+    def layer_share(self, layer_idx: int, config: VarRateConfig) -> tuple[torch.Tensor, int] | None:
+        """What `compress_prompt(layer_share=...)` takes for layer `layer_idx` under `config.layer_budgets`
+        ('spectrum': the coding spaces' energies and this layer's row; 'uniform': None)."""
+        if config.layer_budgets == "uniform":
+            return None
+        energies, rows = self.coding_energies(config.balance)
+        return energies, rows[layer_idx]
 
     def __deepcopy__(self, memo):
         return self  # immutable, per-model: shared by every copy of every cache
@@ -177,16 +269,12 @@ class Bases:
         tensors = self._named_tensors(dtype)
         blob = save(tensors, metadata={"format": "pt", "library": "hf_varrate"})
         check_tensors(tensors, self.metadata)  # what fp16 rounding left must still be a valid basis
-        from . import __version__
-
         meta = {**self.metadata, "dtype": str(dtype).removeprefix("torch."), "format_version": FORMAT_VERSION,
                 "library_version": __version__, "sha256": {WEIGHTS_NAME: hashlib.sha256(blob).hexdigest()}}
-        _write_atomic(out / WEIGHTS_NAME, blob)
-        _write_atomic(out / CONFIG_NAME, (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode())
+        write_atomic(out / WEIGHTS_NAME, blob)
+        write_atomic(out / CONFIG_NAME, (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode())
         if card:
-            from .hub import render_card
-
-            _write_atomic(out / CARD_NAME, render_card(meta, spectrum=bool(self.spectra)).encode())
+            write_atomic(out / CARD_NAME, render_card(meta, spectrum=bool(self.spectra)).encode())
         return out
 
     def _named_tensors(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -199,8 +287,6 @@ class Bases:
     def push_to_hub(self, repo_id: str, *, private: bool | None = None, revision: str | None = None,
                     token: str | None = None, commit_message: str | None = None):
         """Save to a temporary folder and upload it (`HfApi.create_repo` + `upload_folder`)."""
-        from .hub import push_folder
-
         with tempfile.TemporaryDirectory(prefix="hf_varrate-bases-") as folder:
             self.save_pretrained(folder)
             return push_folder(folder, repo_id, private=private, revision=revision, token=token,
@@ -216,46 +302,33 @@ class Bases:
             if looks_local(str(path_or_repo_id)):
                 raise BasesError(f"{path_or_repo_id} is not a directory holding bases ({WEIGHTS_NAME}, "
                                  f"{CONFIG_NAME}); build bases there with: {BUILD_HINT}")
-            from .hub import download_bases
-
             folder = download_bases(str(path_or_repo_id), revision=revision, cache_dir=cache_dir,
                                     local_files_only=local_files_only, token=token)
         return read_artifact(folder)
 
 
 def read_artifact(folder: str | os.PathLike) -> Bases:
-    """Read and verify a bases folder: JSON config, sha256 of the tensor file, then every tensor."""
-    from safetensors.torch import load
+    """Read and verify a bases folder (`bases_checks.read_files`) into a `Bases`."""
+    return Bases(*read_files(folder))
 
-    folder = Path(folder)
-    weights, config = folder / WEIGHTS_NAME, folder / CONFIG_NAME
-    for file in (weights, config):
-        if not file.is_file():
-            raise BasesError(f"{file} not found; build bases with: {BUILD_HINT}")
-    metadata = check_metadata(_read_config(config))
-    blob = weights.read_bytes()
-    recorded = metadata.get("sha256", {}).get(WEIGHTS_NAME) if isinstance(metadata.get("sha256"), dict) else None
-    if not isinstance(recorded, str):
-        raise BasesError(f"{config} records no sha256 for {WEIGHTS_NAME} (field sha256.{WEIGHTS_NAME}); "
-                         f"rebuild the bases with: {build_hint(metadata)}")
-    actual = hashlib.sha256(blob).hexdigest()
-    if actual != recorded.lower():
-        raise BasesError(f"{weights} is corrupt or was changed: its sha256 is {actual} but {CONFIG_NAME} "
-                         f"records {recorded} ({len(blob)} bytes read); download or rebuild it with: "
-                         f"{build_hint(metadata)}")
-    try:
-        raw = load(blob)
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as exc:  # safetensors' Rust panics derive from BaseException
-        raise BasesError(f"could not parse {weights}: {type(exc).__name__}: {exc}; rebuild it with: "
-                         f"{build_hint(metadata)}") from exc
-    check_tensors(raw, metadata)
-    tensors, spectra = {}, {}
-    for name, tensor in raw.items():
-        kind, index = name.split(".")
-        (tensors if kind == "layers" else spectra)[int(index)] = tensor
-    return Bases(tensors, metadata, spectra)
+
+def push_folder(folder: str | os.PathLike, repo_id: str, *, private: bool | None = None,
+                revision: str | None = None, token: str | bool | None = None, commit_message: str | None = None):
+    """Verify a bases folder, then upload its three files to `repo_id` (created if missing).
+
+    The card's usage snippet is re-rendered to name `repo_id`; `config.json` and the tensors are
+    uploaded byte for byte. `revision` is a branch, created from main if it does not exist.
+    Returns what `HfApi.upload_folder` returns (the commit info).
+    """
+    bases = read_artifact(folder)  # never upload something that would not load
+    with tempfile.TemporaryDirectory(prefix="hf_varrate-push-") as staging:
+        for name in (WEIGHTS_NAME, CONFIG_NAME):
+            shutil.copyfile(Path(folder) / name, Path(staging) / name)
+        (Path(staging) / CARD_NAME).write_text(render_card(bases.metadata, bases_ref=repo_id,
+                                                           spectrum=bool(bases.spectra)))
+        message = commit_message or f"Upload VarRate bases for {bases.metadata.get('model_id')}"
+        return upload_folder(staging, repo_id, private=private, revision=revision, token=token,
+                             commit_message=message)
 
 
 def shape_metadata(shape: ModelShape) -> dict:
@@ -269,33 +342,5 @@ def shape_metadata(shape: ModelShape) -> dict:
     }
 
 
-def looks_local(path: str) -> bool:
-    """True for strings that can only be a filesystem path, never a Hub repo id ("name" or "org/name")."""
-    return (path.startswith(("/", ".", "~")) or "\\" in path or path.count("/") > 1 or os.path.exists(path))
-
-
 def list_or(value):
     return list(value) if isinstance(value, (list, tuple)) else value
-
-
-def _read_config(path: Path):
-    if path.stat().st_size > MAX_CONFIG_BYTES:
-        raise BasesError(f"{path} is {path.stat().st_size} bytes, more than a bases config can be "
-                         f"({MAX_CONFIG_BYTES}); rebuild it with: {BUILD_HINT}")
-    try:
-        return json.loads(path.read_bytes().decode("utf-8"))
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise BasesError(f"{path} is not valid JSON ({type(exc).__name__}: {exc}); rebuild it with: "
-                         f"{BUILD_HINT}") from exc
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write beside `path` and rename into place, so a reader never sees half a file (mode per umask)."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        with open(tmp, "xb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise

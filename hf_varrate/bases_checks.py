@@ -1,22 +1,30 @@
-"""Validation of a bases artifact's parsed contents: the config.json fields and every tensor.
+"""The bases artifact on disk: its file names, reading a folder, and checking the config.json fields and
+every tensor.
 
 Each failure is a `BasesError` that names the field or tensor, what was expected, what was found,
-and the command that rebuilds the bases. `hf_varrate.bases` re-exports everything here.
+and the command that rebuilds the bases. The artifact's file names are defined here too, so that
+`hf_varrate.hub` and `hf_varrate.card` need nothing from `hf_varrate.bases`.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+from pathlib import Path
+
 import torch
+
+from .errors import BasesError
 
 WEIGHTS_NAME = "bases.safetensors"
 CONFIG_NAME = "config.json"
+CARD_NAME = "README.md"
+ARTIFACT_FILES = (WEIGHTS_NAME, CONFIG_NAME, CARD_NAME)
 BUILD_HINT = "python -m hf_varrate.calibration --model <your model> --out <dir>"
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+MAX_CONFIG_BYTES = 1 << 20  # a config.json is a few KB; anything larger is not ours
 INT_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "width", "rank")
-
-
-class BasesError(ValueError):
-    """A bases artifact is missing, corrupt, or does not fit the model it meets."""
 
 
 def build_hint(model_or_meta=None) -> str:
@@ -102,3 +110,55 @@ def check_spectrum(name: str, tensor: torch.Tensor, rank: int) -> None:
         j = int(rises[0])
         raise BasesError(f"spectrum {name} is not non-increasing: entry {j + 1} ({float(tensor[j + 1]):.6g}) "
                          f"exceeds entry {j} ({float(tensor[j]):.6g}); rebuild it with: {BUILD_HINT}")
+
+
+def read_files(folder: str | os.PathLike) -> tuple[dict, dict, dict]:
+    """Read and verify a bases folder: JSON config, sha256 of the tensor file, then every tensor.
+    Returns (tensors {layer: [R, D]}, metadata, spectra {layer: [R]}), as `Bases(...)` takes them."""
+    from safetensors.torch import load
+
+    folder = Path(folder)
+    weights, config = folder / WEIGHTS_NAME, folder / CONFIG_NAME
+    for file in (weights, config):
+        if not file.is_file():
+            raise BasesError(f"{file} not found; build bases with: {BUILD_HINT}")
+    metadata = check_metadata(_read_config(config))
+    blob = weights.read_bytes()
+    recorded = metadata.get("sha256", {}).get(WEIGHTS_NAME) if isinstance(metadata.get("sha256"), dict) else None
+    if not isinstance(recorded, str):
+        raise BasesError(f"{config} records no sha256 for {WEIGHTS_NAME} (field sha256.{WEIGHTS_NAME}); "
+                         f"rebuild the bases with: {build_hint(metadata)}")
+    actual = hashlib.sha256(blob).hexdigest()
+    if actual != recorded.lower():
+        raise BasesError(f"{weights} is corrupt or was changed: its sha256 is {actual} but {CONFIG_NAME} "
+                         f"records {recorded} ({len(blob)} bytes read); download or rebuild it with: "
+                         f"{build_hint(metadata)}")
+    try:
+        raw = load(blob)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # safetensors' Rust panics derive from BaseException
+        raise BasesError(f"could not parse {weights}: {type(exc).__name__}: {exc}; rebuild it with: "
+                         f"{build_hint(metadata)}") from exc
+    check_tensors(raw, metadata)
+    tensors, spectra = {}, {}
+    for name, tensor in raw.items():
+        kind, index = name.split(".")
+        (tensors if kind == "layers" else spectra)[int(index)] = tensor
+    return tensors, metadata, spectra
+
+
+def looks_local(path: str) -> bool:
+    """True for strings that can only be a filesystem path, never a Hub repo id ("name" or "org/name")."""
+    return (path.startswith(("/", ".", "~")) or "\\" in path or path.count("/") > 1 or os.path.exists(path))
+
+
+def _read_config(path: Path):
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise BasesError(f"{path} is {path.stat().st_size} bytes, more than a bases config can be "
+                         f"({MAX_CONFIG_BYTES}); rebuild it with: {BUILD_HINT}")
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise BasesError(f"{path} is not valid JSON ({type(exc).__name__}: {exc}); rebuild it with: "
+                         f"{BUILD_HINT}") from exc

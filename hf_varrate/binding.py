@@ -13,28 +13,18 @@ import contextlib
 import sys
 import warnings
 import weakref
-from dataclasses import dataclass
 
 import torch
+from transformers.cache_utils import Cache
 
+from .architecture import ModelShape, check_fits
 from .attention import ATTENTION
-from .codec.salience import attention_scale
+from .codec import attention_scale
+from .errors import VarRateWarning
+from .layers import PrefillContext, VarRateLayer
 
 _HANDLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention module -> hook handle
-
-
-@dataclass
-class PrefillContext:
-    """What a layer needs at its prefill that only the attention module can see.
-
-    queries [B, Hq, W, d] post-RoPE; cos, sin [B or 1, S, d]; key_valid [B, S] bool or None (no padding).
-    """
-
-    queries: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-    scaling: float
-    key_valid: torch.Tensor | None
+_WARNED_REBUILDS: weakref.WeakSet = weakref.WeakSet()  # caches told once that the codes could be read directly
 
 
 def attention_modules(model) -> list[torch.nn.Module]:
@@ -88,12 +78,11 @@ def prefill_hook(module, args, kwargs):
     Public so that a harness replaying a captured prefill into a VarRateCache layer by layer can call it
     with the kwargs the attention module would get (`hidden_states`, `position_embeddings`,
     `past_key_values`, `attention_mask`) before each `cache.update`, as `evaluation/` does."""
-    from .cache import VarRateCache, VarRateLayer
-
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    if not isinstance(cache, VarRateCache):
+    shape = getattr(cache, "model_shape", None)
+    if not isinstance(cache, Cache) or not isinstance(shape, ModelShape):  # not a VarRateCache
         return None
-    check_fits(cache.model_shape, module.layer_idx,
+    check_fits(shape, module.layer_idx,
                num_layers=getattr(getattr(module, "config", None), "num_hidden_layers", None))
     hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
     if hidden.shape[1] == 0:  # the attention would fail on a reshape; say what is wrong instead
@@ -120,40 +109,14 @@ def prefill_hook(module, args, kwargs):
 
 def _say_the_codes_could_be_read(cache, layer, attention) -> None:
     """Once per cache: a compact layer whose codes the "varrate" attention would read is rebuilt instead."""
-    if getattr(cache, "_warned_rebuilds", False) or not layer.compact or not layer.attends_codes(None):
-        return  # getattr: a cache pickled before the flag existed
-    from .cache import VarRateWarning
-
-    cache._warned_rebuilds = True
+    if cache in _WARNED_REBUILDS or not layer.compact or not layer.attends_codes(None):
+        return
+    _WARNED_REBUILDS.add(cache)
     warnings.warn(
         f"storage='compact' under attn_implementation={attention!r} rebuilds every layer's K/V from its codes at "
         f"each step; model.set_attn_implementation('varrate') (registered by hf_varrate; sdpa for everything "
         f"else) attends over the codes instead: the same attention up to float rounding, about 2x faster "
         f"decoding at 4K tokens (README, 'Speed and memory')", VarRateWarning, stacklevel=3)
-
-
-def check_fits(shape, layer_idx: int, *, num_layers: int | None = None, num_kv_heads: int | None = None,
-               head_dim: int | None = None) -> None:
-    """Raise ValueError unless what a forward brings fits the model a VarRateCache was built for.
-
-    A cache holds one model's K/V: another model's would crash on a shape deep inside attention, or
-    (same shapes, fewer layers) silently attend to keys it never computed. `shape` is a `ModelShape`.
-    """
-    seen = {"num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
-    for name, value in seen.items():
-        expected = getattr(shape, name)
-        if value is not None and value != expected:
-            raise ValueError(
-                f"this VarRateCache was built for a model with {name}={expected} but is used (layer {layer_idx}) "
-                f"by a model with {name}={value}; a cache holds one model's K/V: build a new cache for this "
-                f"model with VarRateCache.from_pretrained(bases, model=model)"
-            )
-    if not 0 <= layer_idx < shape.num_layers:
-        raise ValueError(
-            f"layer_idx must be in [0, {shape.num_layers}) for this VarRateCache, got {layer_idx}: the model "
-            f"has more layers than the one the cache was built for; build a new cache for this model with "
-            f"VarRateCache.from_pretrained(bases, model=model)"
-        )
 
 
 def window_queries(module, hidden, cos, sin, window: int) -> torch.Tensor:

@@ -1,57 +1,31 @@
 """`VarRateCache`: the codec inside transformers' layered Cache, and its footprint.
 
-Orchestration only; the arithmetic is in `hf_varrate.codec`, one layer's state in
-`hf_varrate.layer.VarRateLayer`. Sliding-window layers (e.g. Gemma-3's local layers) stay the
-model's own sliding layers.
+Orchestration only: the arithmetic is in `hf_varrate.codec`, one layer's state in `hf_varrate.layers`
+(one class per storage mode; switching storage swaps layer objects), saving and loading in
+`hf_varrate.serialization`. Sliding-window layers (e.g. Gemma-3's local layers) stay the model's own
+sliding layers.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import warnings
 from dataclasses import dataclass, field
 
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
-from .architecture import describe, layer_types
+from .architecture import check_fits, describe, layer_types
 from .bases import Bases
-from .binding import bind, check_fits
-from .codec import exact_mask
-from .config import VarRateConfig
-from .layer import UNBOUND_MESSAGE, LayerFootprint, VarRateLayer, VarRateWarning, _tensor_bytes
+from .binding import bind
+from .codec import exact_mask, tensor_bytes
+from .config import STORAGES, VarRateConfig
+from .errors import VarRateWarning
+from .layers import LAYER_CLASSES, CompactLayer, LayerFootprint, MaterializedLayer, VarRateLayer
 from .rotary import RopeMemo, RotaryFrequencies
+from .serialization import load_cache, save_cache
 
-__all__ = ["Footprint", "LayerFootprint", "UNBOUND_MESSAGE", "VarRateCache", "VarRateLayer", "VarRateWarning",
-           "preset_config"]
-
-
-def preset_config(bases: Bases, preset: str, overrides: dict, stacklevel: int = 2) -> VarRateConfig:
-    """The config `from_pretrained` builds: `preset`'s defaults, the bases' calibration settings (stride,
-    window, n_anchors), then `overrides`. Two rules, each announced with a VarRateWarning:
-
-    - an override of a calibration setting is kept, with a warning (the residuals then follow other
-      statistics than the basis was fitted to);
-    - the 'recommended' preset's balance='rms' needs the calibration spectrum; with bases that carry none
-      (identity bases, artifacts calibrated before it was shipped) it falls back to balance='none'
-      instead of failing at the prefill. Passing balance= explicitly turns this rule off.
-    """
-    calibrated = bases.calibrated_settings
-    changed = {k: v for k, v in overrides.items() if k in calibrated and v != calibrated[k]}
-    if changed:
-        warnings.warn(
-            f"{changed} differ from the values these bases were calibrated with "
-            f"({ {k: calibrated[k] for k in changed} }); the residuals then follow other statistics than the "
-            f"basis was fitted to. Recalibrate with the same settings (hf-varrate calibrate --stride ...) to "
-            f"match them", VarRateWarning, stacklevel=stacklevel)
-    config = VarRateConfig.preset(preset, **{**calibrated, **overrides})
-    if config.balance != "none" and "balance" not in overrides and not bases.spectra:
-        warnings.warn(
-            f"preset {preset!r} balances keys and values (balance={config.balance!r}), which needs bases that "
-            f"carry their calibration spectrum; these carry none, so balance='none' is used. Recalibrate them "
-            f"with this version (hf-varrate calibrate ...) to get it, or pass balance='none' to silence this",
-            VarRateWarning, stacklevel=stacklevel)
-        config = config.replace(balance="none")
-    return config
+__all__ = ["Footprint", "VarRateCache"]
 
 
 @dataclass
@@ -125,7 +99,7 @@ class VarRateCache(Cache):
             if kind == "sliding_attention":
                 layers.append(DynamicSlidingWindowLayer(sliding_window=shape.sliding_window))
             else:
-                layers.append(VarRateLayer(i, bases, config, rope, memo))
+                layers.append(LAYER_CLASSES[config.storage](i, bases, config, rope, memo))
         super().__init__(layers=layers)
         self.config = config
         self.bases = bases
@@ -134,7 +108,6 @@ class VarRateCache(Cache):
         self.rope_memo = memo
         self._last_varrate = max((i for i, layer in enumerate(layers) if isinstance(layer, VarRateLayer)), default=-1)
         self._warned_exact = False
-        self._warned_rebuilds = False  # `binding.prefill_hook`: compact storage read under another attention
 
     @classmethod
     def from_pretrained(cls, path_or_repo_id, model, *, preset: str = "recommended", revision=None, cache_dir=None,
@@ -143,14 +116,14 @@ class VarRateCache(Cache):
 
         `preset` picks the defaults: 'recommended' (the default: see `VarRateConfig.preset` and the README's
         issue #8 section) or 'paper' (the paper's Section 4.1, for reproduction); keyword arguments override
-        single fields (budget=0.3, storage='compact', ...). See `preset_config` for how the bases shape them."""
+        single fields (budget=0.3, storage='compact', ...). See `Bases.config` for how the bases shape them."""
         if model is None:
             raise ValueError("model= is required: VarRateCache.from_pretrained(path, model=model) binds it")
         bases = Bases.from_pretrained(path_or_repo_id, revision=revision, cache_dir=cache_dir,
                                       local_files_only=local_files_only, token=token)
         for note in bases.validate(model.config):
             warnings.warn(note, VarRateWarning, stacklevel=2)
-        config = preset_config(bases, preset, config_overrides, stacklevel=3)
+        config = bases.config(preset, stacklevel=3, **config_overrides)
         bind(model)
         cache = cls(bases, config, model_config=model.config, model=model)
         cache.bases_source = str(path_or_repo_id)
@@ -158,6 +131,9 @@ class VarRateCache(Cache):
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         check_fits(self.model_shape, layer_idx, num_kv_heads=key_states.shape[1], head_dim=key_states.shape[-1])
+        layer = self.layers[layer_idx]
+        if isinstance(layer, CompactLayer) and layer.awaits_prefill and key_states.shape[-2] > 1:
+            self._hold_compact_if_possible(layer_idx, layer, key_states)
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         layer = self.layers[layer_idx]
         if layer_idx == self._last_varrate:
@@ -175,17 +151,28 @@ class VarRateCache(Cache):
             )
         return out
 
+    def _hold_compact_if_possible(self, layer_idx: int, layer: CompactLayer, keys) -> None:
+        """Compact storage re-rotates with recomputed RoPE tables: a prefill whose tables are not those, bit for
+        bit, is held materialized (the layer is swapped), with a warning."""
+        reason = layer.rope_known(keys)
+        if reason:
+            warnings.warn(f"layer {layer_idx}: storage='compact' falls back to 'materialized': {reason}",
+                          VarRateWarning, stacklevel=4)
+            self.layers[layer_idx] = MaterializedLayer.from_layer(layer)
+
     def set_storage(self, storage: str) -> VarRateCache:
         """Switch every compressed layer to 'compact' or 'materialized' in place (same tokens either way):
         e.g. keep many compressed documents compact at rest, materialize the one being answered for fast
         decoding, and compact it again afterwards. Returns the cache."""
+        if storage not in STORAGES:
+            raise ValueError(f"storage must be one of {list(STORAGES)}, got {storage!r}")
         if storage == "compact" and self.rope is None:
             raise ValueError("storage='compact' needs the model's rotary frequencies: build the cache with model=model")
         self.config = self.config.replace(storage=storage)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             if isinstance(layer, VarRateLayer):
-                layer.set_storage(storage)
-                layer.config = self.config
+                self.layers[i] = LAYER_CLASSES[storage].from_layer(layer)
+                self.layers[i].config = self.config
         self.rope_memo.clear()
         return self
 
@@ -196,28 +183,22 @@ class VarRateCache(Cache):
             if isinstance(layer, VarRateLayer):
                 layers.append(layer.footprint())
             else:
-                held = _tensor_bytes(layer.keys, layer.values) if layer.is_initialized else 0
+                held = tensor_bytes(layer.keys, layer.values) if layer.is_initialized else 0
                 layers.append(LayerFootprint(i, "sliding", held, held))
         return Footprint(layers)
 
     # a compressed document, saved and loaded (safetensors + JSON; see hf_varrate.serialization) -----------
     def save_pretrained(self, save_directory: str | os.PathLike) -> None:
         """Write this cache's codes, exact tokens and settings to `save_directory`."""
-        from .serialization import save_cache
-
         save_cache(self, save_directory)
 
     @classmethod
     def load(cls, directory: str | os.PathLike, model, *, bases: Bases | None = None, **config_overrides) -> VarRateCache:
         """Load a cache saved by `save_pretrained` for `model` (bound on return). The bases are the ones it was
         saved with (read again from where they came, or pass `bases=`); `storage=` may be overridden."""
-        from .serialization import load_cache
-
         return load_cache(cls, directory, model, bases=bases, **config_overrides)
 
     def __deepcopy__(self, memo):
-        import copy
-
         clone = type(self).__new__(type(self))
         memo[id(self)] = clone
         for name, value in self.__dict__.items():

@@ -7,9 +7,8 @@ counts, ranks vs coefficients, anchor indices, spans and RoPE positions, layer l
 batch, tokens and dtype in every layer). Each failure is a `CacheFileError` naming the field or tensor,
 what it holds, what was expected and the fix.
 
-The file names, the format version and `CacheFileError` are defined here, so that
-`hf_varrate.serialization` (which writes and reads the files, and re-exports them) imports this module
-and not the other way round.
+The file names and the format version are defined here, so that `hf_varrate.serialization` (which
+writes and reads the files) imports this module and not the other way round.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from .architecture import describe
 from .codec.quantization import BITS, group_counts, packed_bytes
+from .errors import CacheFileError
 
 TENSORS_NAME = "cache.safetensors"
 CONFIG_NAME = "cache_config.json"
@@ -33,10 +33,6 @@ INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 MAX_INT = 2**31 - 1  # no count, length or setting of a saved cache comes near this
 NOT_CONSISTENT = ("this is not a consistent saved cache (a writer's bug or a hand edit): save it again with "
                   "cache.save_pretrained(dir)")
-
-
-class CacheFileError(ValueError):
-    """A saved cache is missing, corrupt, or does not fit the model (or bases) it is loaded with."""
 
 
 def check_meta(meta, path: Path) -> None:

@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def push(args) -> int:
-    from .hub import push_folder
+    from .bases import push_folder
 
     info = push_folder(args.folder, args.repo_id, private=args.private or None, revision=args.revision,
                        token=args.token, commit_message=args.message)

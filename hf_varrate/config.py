@@ -1,7 +1,11 @@
-"""`VarRateConfig`: every knob of the codec and its default, written once.
+"""`VarRateConfig`: every knob of the codec and its default, written once, and the named presets.
 
 Defaults are the paper's (Section 4.1): budget 0.20, r_min 16, R = 1024 capped at D, stride 16,
-c = 4 nearest anchors, window = obs_window = 64, SnapKV pooling kernel 5.
+c = 4 nearest anchors, window = obs_window = 64, SnapKV pooling kernel 5. Each field's metadata
+names its group: "paper" (the method), "beyond" (options beyond the paper, all off by default),
+"runtime" (how the cache is held and computed; no effect on what is coded) and "developer"
+(knobs for tests and evaluation, left out of `repr` and of `VarRateConfig.user_fields()`).
+The salience signals are those registered in `hf_varrate.codec.salience`.
 """
 
 from __future__ import annotations
@@ -11,7 +15,9 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-SIGNALS = ("snapkv", "uniform", "random", "shuffle", "position", "key_norm", "residual")
+from .codec.salience import SIGNALS
+
+GROUPS = ("paper", "beyond", "runtime", "developer")
 ALLOCATIONS = ("waterfill", "topk")
 STORAGES = ("materialized", "compact")
 IMPLEMENTATIONS = ("fast", "reference")
@@ -30,34 +36,35 @@ class VarRateConfig:
 
     budget: float = field(
         default=0.20,
-        metadata={"help": "Fraction of the full K/V bytes kept for the prompt, in (0, 1] (paper's kappa)."},
+        metadata={"group": "paper", "help": "Fraction of the full K/V bytes kept for the prompt, in (0, 1] (paper's kappa)."},
     )
-    r_min: int = field(default=16, metadata={"help": "Rank floor of every coded token (Eq. 5)."})
+    r_min: int = field(default=16, metadata={"group": "paper", "help": "Rank floor of every coded token (Eq. 5)."})
     rank: int | None = field(
         default=1024,
-        metadata={"help": "Basis rank R; capped at the joint width D and at the loaded basis's rank."},
+        metadata={"group": "paper", "help": "Basis rank R; capped at the joint width D and at the loaded basis's rank."},
     )
-    stride: int = field(default=16, metadata={"help": "Anchor stride Delta: tokens 0, stride, 2*stride... are exact."})
-    n_anchors: int = field(default=4, metadata={"help": "c, the number of nearest anchors a residual is taken to (Eq. 2)."})
-    window: int = field(default=64, metadata={"help": "The last `window` prompt tokens are stored exactly."})
-    obs_window: int = field(default=64, metadata={"help": "Number of last prompt queries that score salience (Eq. 4)."})
-    pool_kernel: int = field(default=5, metadata={"help": "SnapKV moving-average length over adjacent tokens (odd)."})
+    stride: int = field(default=16, metadata={"group": "paper", "help": "Anchor stride Delta: tokens 0, stride, 2*stride... are exact."})
+    n_anchors: int = field(default=4, metadata={"group": "paper", "help": "c, the number of nearest anchors a residual is taken to (Eq. 2)."})
+    window: int = field(default=64, metadata={"group": "paper", "help": "The last `window` prompt tokens are stored exactly."})
+    obs_window: int = field(default=64, metadata={"group": "paper", "help": "Number of last prompt queries that score salience (Eq. 4)."})
+    pool_kernel: int = field(default=5, metadata={"group": "paper", "help": "SnapKV moving-average length over adjacent tokens (odd)."})
     signal: str = field(
         default="snapkv",
-        metadata={
+        metadata={"group": "paper",
             "help": "Salience signal: 'snapkv' (paper), 'uniform' (flat ablation), 'random', 'shuffle' "
-            "(SnapKV scores permuted), 'position' (sink + recency shape, no content); beyond the paper (issue #8), "
+            "(SnapKV scores permuted), 'position' (sink + recency shape, no content); beyond the paper, "
             "query-agnostic: 'key_norm' (mean key norm over heads) or 'residual' (norm of the token's residual to "
-            "its anchors: rank follows how hard the token is to code)."
+            "its anchors: rank follows how hard the token is to code). Any signal registered in "
+            "hf_varrate.codec.salience."
         },
     )
     allocation: str = field(
         default="waterfill",
-        metadata={"help": "'waterfill' (Eq. 5) or 'topk' (binary split: winners at R, the rest at r_min)."},
+        metadata={"group": "paper", "help": "'waterfill' (Eq. 5) or 'topk' (binary split: winners at R, the rest at r_min)."},
     )
     storage: str = field(
         default="materialized",
-        metadata={
+        metadata={"group": "runtime",
             "help": "'materialized' (reconstruct the prompt once at the prefill and hold full-length K/V, as the "
             "paper does: fastest decoding) or 'compact' (hold only the codes and exact tokens: the cache really "
             "takes the footprint fraction of memory; each read rebuilds a layer's K/V, or, under the model's "
@@ -66,65 +73,68 @@ class VarRateConfig:
     )
     coef_bits: int | None = field(
         default=None,
-        metadata={"help": "Quantize coefficients to 3, 4 or 8 bits, group-wise (Section 3.3, App. A.4); None keeps "
+        metadata={"group": "paper", "help": "Quantize coefficients to 3, 4 or 8 bits, group-wise (Section 3.3, App. A.4); None keeps "
                   "them in the model's dtype."},
     )
     coef_group: int = field(
-        default=32, metadata={"help": "Coefficients per quantization group (each group stores an fp16 min and step)."}
+        default=32, metadata={"group": "paper", "help": "Coefficients per quantization group (each group stores an fp16 min and step)."}
     )
     quantized_budget: str = field(
         default="same_ranks",
-        metadata={
+        metadata={"group": "paper",
             "help": "With coef_bits: 'same_ranks' allocates ranks as for unquantized coefficients and stores fewer "
             "bytes (paper, App. A.4); 'same_bytes' holds the byte budget and spends the saving on rank."
         },
     )
+    # developer knobs: tests and evaluation set them, users need not (left out of repr and user_fields)
     implementation: str = field(
-        default="fast",
-        metadata={"help": "'fast' (rank-blocked matmuls, row gathers) or 'reference' (the plain path it is tested "
-                  "against)."},
+        default="fast", repr=False,
+        metadata={"group": "developer", "help": "'fast' (rank-blocked matmuls, row gathers) or 'reference' (the "
+                  "plain path it is tested against)."},
     )
     distance_chunk: int = field(
-        default=1024, metadata={"help": "Coded tokens per chunk of the fp32 anchor-distance computation."}
+        default=1024, repr=False,
+        metadata={"group": "developer", "help": "Coded tokens per chunk of the fp32 anchor-distance computation."},
     )
-    seed: int = field(default=0, metadata={"help": "Seed of the 'random' and 'shuffle' signals."})
+    seed: int = field(default=0, repr=False,
+                      metadata={"group": "developer", "help": "Seed of the 'random' and 'shuffle' signals."})
     budget_dtype: str | None = field(
-        default=None,
-        metadata={"help": "Count the budget as if K/V were in this dtype ('float16', 'bfloat16', 'float32'); None: "
-                  "the cache's own dtype. 'float16' sizes a cache computed in fp32 (e.g. on CPU) exactly as an fp16 "
+        default=None, repr=False,
+        metadata={"group": "developer", "help": "Count the budget as if K/V were in this dtype ('float16', "
+                  "'bfloat16', 'float32'); None: the cache's own dtype. 'float16' sizes a cache computed in fp32 (e.g. on CPU) exactly as an fp16 "
                   "deployment would be sized: same ranks, so quantized coefficients are not flattered. Never wider than "
                   "the K/V's dtype (the cache would exceed its budget)."},
     )
     projection_dtype: str = field(
         default="float32",
-        metadata={"help": "dtype of the projection matmuls (encode c = V e, decode V^T c): 'float32' (the paper); "
+        metadata={"group": "runtime", "help": "dtype of the projection matmuls (encode c = V e, decode V^T c): 'float32' (the paper); "
                   "'bfloat16' (fp32 accumulation and fp32 anchor means: the coefficients and the decoded "
                   "correction carry bf16 rounding, ~0.4%; 3-5x faster matmuls on GPUs and on CPUs with AMX or "
                   "AVX-512 BF16, slower elsewhere); 'auto': bfloat16 where the device multiplies it natively, else "
                   "float32. Distances and salience are always fp32."},
     )
-    # beyond the paper (issue #8); every one is off in the paper's defaults
+    # beyond the paper; every one is off in the paper's defaults
     balance: str = field(
         default="none",
-        metadata={"help": "'rms' scales the value half of z_t so that keys and values carry equal calibration "
+        metadata={"group": "beyond", "help": "'rms' scales the value half of z_t so that keys and values carry equal calibration "
                   "residual energy before anchor search and PCA (undone after decoding; needs bases with a "
                   "spectrum); 'none' codes z_t as the paper does (keys dominate its norm)."},
     )
     flat_floor: float = field(
         default=0.0,
-        metadata={"help": "Rank floor as a share of the flat rank B / C: every coded token gets at least "
+        metadata={"group": "beyond", "help": "Rank floor as a share of the flat rank B / C: every coded token gets at least "
                   "max(r_min, flat_floor * B / C), so a stale salience signal cannot starve a token. In [0, 1]; "
                   "1 is flat allocation."},
     )
     anchor_share: float | None = field(
         default=None,
-        metadata={"help": "Budget-aware stride: the exact set (anchors + window) may take at most this share of "
+        metadata={"group": "beyond", "help": "Budget-aware stride: the exact set (anchors + window) may take at most this share of "
                   "the budget; the stride doubles until it does (at most until n_anchors anchors remain). None "
                   "keeps the stride, and a budget too small for the exact set stores the prompt exactly."},
     )
     layer_budgets: str = field(
         default="uniform",
-        metadata={"help": "'uniform': every layer gets the budget (the paper); 'spectrum': the layers share their "
+        metadata={"group": "beyond", "help": "'uniform': every layer gets the budget (the paper); 'spectrum': the layers share their "
                   "coefficient bytes by their calibration spectra, each keeping the directions above one common "
                   "share of its residual energy (at least half the flat rank), so that rank goes where it removes "
                   "the most relative error (needs bases with a spectrum)."},
@@ -148,7 +158,7 @@ class VarRateConfig:
         if self.pool_kernel % 2 == 0:
             raise ValueError(f"pool_kernel must be odd, got {self.pool_kernel}; use e.g. 5")
         _check_int("distance_chunk", self.distance_chunk, 1)
-        _check_choice("signal", self.signal, SIGNALS)
+        _check_choice("signal", self.signal, tuple(SIGNALS))
         _check_choice("allocation", self.allocation, ALLOCATIONS)
         _check_choice("storage", self.storage, STORAGES)
         if self.coef_bits is not None:
@@ -165,7 +175,7 @@ class VarRateConfig:
         if self.anchor_share is not None:
             _check_range("anchor_share", self.anchor_share, 0.0, 1.0, low_open=True,
                          fix="use e.g. anchor_share=0.25, or None to keep the stride")
-        beyond = {"balance": self.balance != "none", "signal": self.signal in ("key_norm", "residual"),
+        beyond = {"balance": self.balance != "none", "signal": not SIGNALS[self.signal].paper,
                   "layer_budgets": self.layer_budgets != "uniform",
                   "projection_dtype": self.projection_dtype != "float32"}
         if self.implementation == "reference" and any(beyond.values()):
@@ -175,14 +185,19 @@ class VarRateConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides) -> VarRateConfig:
-        """A named set of defaults: 'paper' (Section 4.1, for reproduction: every option of issue #8 off) or
-        'recommended' (issue #8's options chosen on a development split; see the README's ablation): 4-bit
+        """A named set of defaults: 'paper' (Section 4.1, for reproduction: every option beyond the paper off)
+        or 'recommended' (options beyond the paper chosen on a development split; see docs/): 4-bit
         coefficients at the same bytes, anchors held to a quarter of the budget, key/value balance,
         uniform ranks (under reuse no salience signal we tried beat them), and bf16 projection matmuls where
         the device multiplies bf16 natively."""
         _check_choice("preset", name, PRESETS)
         base = {} if name == "paper" else dict(RECOMMENDED_PRESET)
         return cls(**{**base, **overrides})
+
+    @classmethod
+    def user_fields(cls) -> list[str]:
+        """The fields a user sets (every group but "developer"), in declaration order."""
+        return [f.name for f in dataclasses.fields(cls) if f.metadata.get("group") != "developer"]
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -205,11 +220,11 @@ class VarRateConfig:
         return dataclasses.replace(self, **changes)
 
 
-# Chosen on the development split of the issue #8 ablation (evaluation/configs/beyond_dev.yaml: SmolLM2
-# needles at 2K, 24 examples, budget 0.2, query-agnostic): the highest pooled score, 21/24 (full cache:
-# 20/24; the paper's defaults: 0/24). Confirmed on a held-out split: see the README.
-# projection_dtype 'auto' joined later (issue #6): bf16 matmuls where the device has them natively; the held-out
-# reconstruction error is the same to three decimals (benchmarks/results/presets_smollm2-135m-instruct.md).
+# Chosen on the development split of the beyond-the-paper ablation (evaluation/configs/beyond_dev.yaml:
+# SmolLM2 needles at 2K, 24 examples, budget 0.2, query-agnostic): the highest pooled score, 21/24 (full
+# cache: 20/24; the paper's defaults: 0/24). Confirmed on a held-out split (docs/). projection_dtype 'auto'
+# joined later: bf16 matmuls where the device has them natively; the held-out reconstruction error is the
+# same to three decimals (benchmarks/presets).
 RECOMMENDED_PRESET = {"coef_bits": 4, "quantized_budget": "same_bytes", "anchor_share": 0.25, "balance": "rms",
                       "signal": "uniform", "projection_dtype": "auto"}
 

@@ -38,6 +38,8 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from .paths import cache_root
+
 __all__ = ["DEFAULT_MODELS", "DefaultModel", "load_default_model", "model_id_for"]
 
 _MARKER = "hf_varrate_conversion.json"  # written last: its presence means the folder is complete
@@ -131,12 +133,6 @@ def _info(name: str) -> DefaultModel:
     return DEFAULT_MODELS[name]
 
 
-def _cache_root() -> Path:
-    if os.environ.get("HF_VARRATE_CACHE"):
-        return Path(os.environ["HF_VARRATE_CACHE"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(xdg).expanduser() / "hf_varrate"
-
 
 def _package_version(info: DefaultModel) -> str:
     try:
@@ -150,7 +146,7 @@ def _missing_message(info: DefaultModel) -> str:
 
 
 def _converted_folder(name: str, info: DefaultModel, cache_dir) -> Path:
-    root = Path(cache_dir).expanduser() if cache_dir is not None else _cache_root() / "models"
+    root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root() / "models"
     major = transformers.__version__.split(".")[0]
     return root / name / f"{_package_version(info)}-transformers{major}"
 

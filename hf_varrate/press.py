@@ -27,11 +27,10 @@ import torch
 
 from .bases import Bases
 from .binding import window_queries
-from .cache import VarRateWarning, preset_config
 from .codec import PromptCode, decode_prompt, encode_prompt
-from .codec.balance import coding_basis, layer_share
 from .codec.salience import attention_scale
 from .config import VarRateConfig
+from .errors import VarRateWarning
 
 INSTALL_HINT = "VarRatePress is a kvpress press and needs kvpress: pip install kvpress (or pip install 'hf_varrate[eval]')"
 
@@ -58,9 +57,9 @@ class VarRatePress:
     @classmethod
     def from_pretrained(cls, path_or_repo_id, *, preset: str = "recommended", **config_overrides) -> VarRatePress:
         """Load bases like VarRateCache.from_pretrained, with the same `preset` and the same rules
-        (`hf_varrate.cache.preset_config`); keyword arguments override VarRateConfig fields."""
+        (`Bases.config`); keyword arguments override VarRateConfig fields."""
         bases = Bases.from_pretrained(path_or_repo_id)
-        return cls(bases, preset_config(bases, preset, config_overrides, stacklevel=3))
+        return cls(bases, bases.config(preset, stacklevel=3, **config_overrides))
 
     def post_init_from_model(self, model):
         for note in self.bases.validate(model.config):
@@ -97,8 +96,8 @@ class VarRatePress:
     def compress(self, module, hidden_states, keys, values, attentions, kwargs):
         """Keys/values [B, H, S, d] -> their VarRate reconstruction (same shape); records the codes."""
         cos, sin = kwargs["position_embeddings"]
-        basis, scales = coding_basis(self.bases, module.layer_idx, self.config.balance, keys.device)
-        share = layer_share(self.bases, module.layer_idx, self.config)
+        basis, scales = self.bases.coding_basis(module.layer_idx, self.config.balance, keys.device)
+        share = self.bases.layer_share(module.layer_idx, self.config)
         window = min(self.config.obs_window, hidden_states.shape[1])
         with torch.no_grad():
             queries = window_queries(module, hidden_states, cos, sin, window)  # [B, Hq, W, d]

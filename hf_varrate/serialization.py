@@ -14,9 +14,10 @@ Only safetensors and JSON are read: no pickle, no `torch.load`. Whatever is wron
 before anything is built) raises `CacheFileError` saying what and how to fix it.
 A cache saved in either storage mode holds codes only, so it is as small as the footprint says.
 
-This module owns writing and reading the files (atomically, sha256-checked) and rebuilding the layers;
-the checks of their parsed contents live in `hf_varrate.cache_checks`, with the file names, the format
-version and `CacheFileError`, which are re-exported here.
+This module owns the files: writing and reading them (atomically, sha256-checked). What a layer or a
+code holds in them is the layer's and the code's business (`to_tensors` / `from_tensors`), so the
+saved-cache format changes in one place; the checks of the parsed contents live in
+`hf_varrate.cache_checks`, with the file names and the format version.
 """
 
 from __future__ import annotations
@@ -32,21 +33,14 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from .bases import Bases, BasesError
+from .bases import Bases
 from .binding import bind
-from .cache_checks import (
-    CONFIG_NAME,
-    FORMAT_VERSION,
-    TENSORS_NAME,
-    CacheFileError,
-    check_layers,
-    check_meta,
-    check_model,
-    check_rope,
-)
-from .codec import PromptCode, QuantizedCoefs
+from .cache_checks import CONFIG_NAME, FORMAT_VERSION, TENSORS_NAME, check_layers, check_meta, check_model, check_rope
 from .config import VarRateConfig
-from .layer import VarRateLayer
+from .errors import BasesError, CacheFileError
+from .files import sha256_file, write_atomic
+from .layers import LAYER_CLASSES, CompactLayer, VarRateLayer
+from .version import __version__
 
 MAX_CONFIG_BYTES = 64 << 20  # per-layer bookkeeping of a large batch stays far below this
 
@@ -69,8 +63,6 @@ def bases_fingerprint(bases: Bases) -> str:
 # saving ------------------------------------------------------------------------------------------------
 def save_cache(cache, directory: str | os.PathLike) -> None:
     """Write `cache` (a VarRateCache after its prefill) to `directory` (created if needed)."""
-    from . import __version__
-
     tensors, layers = {}, []
     for i, layer in enumerate(cache.layers):
         layers.append(_save_layer(i, layer, tensors))
@@ -83,7 +75,7 @@ def save_cache(cache, directory: str | os.PathLike) -> None:
     with tempfile.NamedTemporaryFile(dir=folder, suffix=".tmp", delete=False) as tmp:
         tmp_name = tmp.name
     save_file(tensors, tmp_name, metadata={"format": "pt", "library": "hf_varrate"})
-    digest = _sha256(Path(tmp_name))
+    digest = sha256_file(Path(tmp_name))
     os.replace(tmp_name, tensor_path)
     shape = cache.model_shape
     meta = {
@@ -98,52 +90,20 @@ def save_cache(cache, directory: str | os.PathLike) -> None:
         "tensor_file": TENSORS_NAME,
         "sha256": digest,
     }
-    _write_atomic(folder / CONFIG_NAME, json.dumps(meta, indent=1, sort_keys=True).encode())
+    write_atomic(folder / CONFIG_NAME, json.dumps(meta, indent=1, sort_keys=True).encode())
 
 
 def _save_layer(i: int, layer, tensors: dict) -> dict:
     if not layer.is_initialized or layer.keys is None:
         return {"kind": "empty"}
-    if isinstance(layer, VarRateLayer) and layer.codes and not layer.compact and layer.prompt_kept < layer.prompt_len:
-        raise CacheFileError(f"layer {i} was cropped into its compressed prompt in materialized storage, which drops "
-                             f"exact tokens its codes need; save before cropping, or use storage='compact'")
+    if isinstance(layer, VarRateLayer) and layer.codes:
+        info, layer_tensors = layer.to_tensors(f"layers.{i}")
+        tensors.update(layer_tensors)
+        return info
+    tensors[f"layers.{i}.keys"], tensors[f"layers.{i}.values"] = layer.keys, layer.values
     if isinstance(layer, DynamicSlidingWindowLayer):
-        tensors[f"layers.{i}.keys"], tensors[f"layers.{i}.values"] = layer.keys, layer.values
         return {"kind": "sliding", "cumulative_length": layer.cumulative_length}
-    if not isinstance(layer, VarRateLayer) or not layer.codes:
-        tensors[f"layers.{i}.keys"], tensors[f"layers.{i}.values"] = layer.keys, layer.values
-        return {"kind": "exact"}
-    rows = [_save_row(f"layers.{i}.rows.{b}", layer, b, tensors) for b in range(len(layer.codes))]
-    tail_k, tail_v = (layer.keys, layer.values) if layer.compact else (
-        layer.keys[..., layer.prompt_kept :, :], layer.values[..., layer.prompt_kept :, :])
-    tensors[f"layers.{i}.appended_keys"], tensors[f"layers.{i}.appended_values"] = tail_k, tail_v
-    return {"kind": "varrate", "prompt_len": layer.prompt_len, "prompt_kept": layer.prompt_kept,
-            "appended": layer.appended, "rows": rows, "dtype": str(tail_k.dtype).removeprefix("torch.")}
-
-
-def _save_row(prefix: str, layer: VarRateLayer, b: int, tensors: dict) -> dict:
-    code, span, offset = layer.codes[b], layer._spans[b], layer._offsets[b]
-    if offset is None:
-        raise CacheFileError(f"layer {layer.layer_idx} row {b}: its keys were rotated at positions the cache did not "
-                             f"record (no rotary frequencies, or custom position ids), so it cannot be rebuilt; build "
-                             f"the cache with model=model and let the model number the positions")
-    exact_k, exact_v = layer.exact_tokens(b)
-    tensors[f"{prefix}.exact_keys"], tensors[f"{prefix}.exact_values"] = exact_k, exact_v
-    row = {"seq_len": code.seq_len, "stride": code.stride, "window": code.window, "width": code.width,
-           "kv_bytes": code.kv_bytes, "stored_exactly": code.stored_exactly, "rope_offset": offset,
-           "span": list(span) if isinstance(span, tuple) else None}
-    if not isinstance(span, tuple):
-        tensors[f"{prefix}.slots"] = span
-    if code.stored_exactly:
-        return row
-    tensors[f"{prefix}.neighbours"], tensors[f"{prefix}.ranks"] = code.neighbours, code.ranks
-    if isinstance(code.coefs, QuantizedCoefs):
-        q = code.coefs
-        tensors[f"{prefix}.codes"], tensors[f"{prefix}.mins"], tensors[f"{prefix}.steps"] = q.codes, q.mins, q.steps
-        row["quantized"] = {"bits": q.bits, "group": q.group, "count": q.count}
-    else:
-        tensors[f"{prefix}.coefs"] = code.coefs
-    return row
+    return {"kind": "exact"}
 
 
 # loading -----------------------------------------------------------------------------------------------
@@ -200,7 +160,7 @@ def read_tensors(folder: Path, meta: dict) -> dict[str, torch.Tensor]:
     path = folder / TENSORS_NAME
     if not path.is_file():
         raise CacheFileError(f"{path} is missing; save the cache again with cache.save_pretrained(dir)")
-    if _sha256(path) != meta["sha256"]:
+    if sha256_file(path) != meta["sha256"]:
         raise CacheFileError(f"{path} does not match the sha256 in {CONFIG_NAME} (corrupt or modified); save the "
                              f"cache again")
     try:
@@ -224,7 +184,8 @@ def _load_bases(meta: dict, model) -> Bases:
 
 
 def _load_layer(cache, i: int, info: dict, tensors: dict, device) -> None:
-    """Fill layer i from a checked file (`check_layers`)."""
+    """Fill layer i from a checked file (`check_layers`); a coded layer is read compact, then held the
+    way the cache's config says."""
     layer, kind = cache.layers[i], info["kind"]
     if kind == "empty":
         return
@@ -235,38 +196,10 @@ def _load_layer(cache, i: int, info: dict, tensors: dict, device) -> None:
         if kind == "sliding":
             layer.cumulative_length = info["cumulative_length"]
         else:
-            layer.prefilled, layer.storage = True, "materialized"
+            layer.prefilled = True
         return
-    tail_k, tail_v = tensors[f"layers.{i}.appended_keys"].to(device), tensors[f"layers.{i}.appended_values"].to(device)
-    layer.lazy_initialization(tail_k, tail_v)
-    layer.prefilled = True
-    layer.prompt_len, layer.prompt_kept, layer.appended = info["prompt_len"], info["prompt_kept"], info["appended"]
-    for b, row in enumerate(info["rows"]):
-        code, span = _load_row(f"layers.{i}.rows.{b}", row, tensors, device)
-        layer.codes.append(code)
-        layer._spans.append(span)
-        layer._offsets.append(row["rope_offset"])
-    layer.keys, layer.values = tail_k, tail_v
-    target, layer.storage = layer.storage, "compact"  # what was read is a compact layer
-    if target != "compact":
-        layer.set_storage(target)
-
-
-def _load_row(prefix: str, row: dict, tensors: dict, device) -> tuple[PromptCode, object]:
-    get = lambda name: tensors[f"{prefix}.{name}"].to(device)  # noqa: E731
-    exact_k, exact_v = get("exact_keys"), get("exact_values")
-    empty = torch.empty(0, dtype=torch.int16, device=device)
-    code = PromptCode(row["seq_len"], row["stride"], row["window"], empty.view(0, 1), empty, empty.to(exact_k.dtype),
-                      row["width"], row["kv_bytes"], row["stored_exactly"], exact_k, exact_v)
-    if not code.stored_exactly:
-        code.neighbours, code.ranks = get("neighbours"), get("ranks")
-        if "quantized" in row:
-            q = row["quantized"]
-            code.coefs = QuantizedCoefs(get("codes"), get("mins"), get("steps"), q["bits"], q["group"], q["count"])
-        else:
-            code.coefs = get("coefs")
-    span = tuple(row["span"]) if row["span"] is not None else get("slots")
-    return code, span
+    loaded = CompactLayer.from_tensors(layer, info, tensors, f"layers.{i}", device)
+    cache.layers[i] = LAYER_CLASSES[layer.storage].from_layer(loaded)
 
 
 def _bases_source(cache) -> str | None:
@@ -282,17 +215,3 @@ def _source_of(bases: Bases) -> str | None:
     if bases.metadata.get("calibration") == "identity":
         return "identity"
     return bases.metadata.get("bases_ref") or bases.metadata.get("source")
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as tmp:
-        tmp.write(data)
-    os.replace(tmp.name, path)

@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 import hf_varrate
-from hf_varrate import Bases, VarRateCache, VarRateConfig, VarRateLayer, VarRateWarning
+from hf_varrate import Bases, CompactLayer, VarRateCache, VarRateConfig, VarRateLayer, VarRateWarning
 from hf_varrate.attention import CodedRead
 
 from test_beyond import calibrated_like
@@ -48,7 +48,7 @@ def reads_codes(monkeypatch):
     """Make a rebuild of a compact layer's K/V fail, so a test passes only through the codes."""
     def refuse(self):
         raise AssertionError("the compact layer was rebuilt instead of read through its codes")
-    monkeypatch.setattr(VarRateLayer, "_read", refuse)
+    monkeypatch.setattr(CompactLayer, "read", refuse)
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3", "tiny_gemma3"])

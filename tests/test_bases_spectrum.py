@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save, save_file
 from hf_varrate import Bases, BasesError
 from hf_varrate.bases import CARD_NAME, CONFIG_NAME, WEIGHTS_NAME
 from hf_varrate.calibration import calibrate, collect_residuals
-from hf_varrate.hub import render_card
+from hf_varrate.card import render_card
 
 # the artifact of tests/test_bases.py: the tiny models' shape, D = 64, rank 8
 META = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "width": 64, "compressed_layers": [0, 1],

@@ -9,7 +9,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 import hf_varrate
-from hf_varrate import Bases, VarRateCache, VarRateLayer, VarRateWarning
+from hf_varrate import Bases, MaterializedLayer, VarRateCache, VarRateLayer, VarRateWarning
 
 SMALL = dict(stride=8, window=16, obs_window=16, r_min=2)  # lets 300-token prompts compress on D = 64
 
@@ -170,7 +170,7 @@ def test_gemma3_keeps_sliding_layers_and_compresses_full_ones(tiny_gemma3):
     kinds = [type(layer) for layer in cache.layers]
     types = tiny_gemma3.config.layer_types
     for kind, layer_type in zip(kinds, types):
-        assert kind is (DynamicSlidingWindowLayer if layer_type == "sliding_attention" else VarRateLayer)
+        assert kind is (DynamicSlidingWindowLayer if layer_type == "sliding_attention" else MaterializedLayer)
     out = greedy(tiny_gemma3, prompt(tiny_gemma3, 300), cache)
     assert out.shape == (1, 308)
     fp = cache.footprint()

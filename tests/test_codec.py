@@ -7,7 +7,7 @@ import torch
 
 from hf_varrate import VarRateConfig
 from hf_varrate.codec import (
-    coded_salience, decode, decode_prompt, encode, encode_prompt, exact_mask, join_kv, minmax, nearest_anchors,
+    SIGNALS, SignalInputs, coded_salience, register_signal, decode, decode_prompt, encode, encode_prompt, exact_mask, join_kv, minmax, nearest_anchors,
     pack, residuals, rotate_keys, split_kv, topk_ranks, unpack, unrotate_keys, waterfill_ranks,
 )
 
@@ -97,7 +97,7 @@ def test_waterfill_matches_the_papers_iterative_algorithm():
 def test_constant_salience_is_the_flat_codec():
     ranks = waterfill_ranks(torch.full((100,), 0.3), 100 * 37 + 42, 16, 384)
     assert set(ranks.tolist()) <= {37, 38} and int(ranks.sum()) == 100 * 37 + 42
-    flat = coded_salience("uniform", None, torch.arange(100), 200, 16, 64, 0)
+    flat = coded_salience("uniform", signal_inputs(torch.arange(100), 200))
     assert torch.equal(waterfill_ranks(flat, 3742, 16, 384), ranks)
 
 
@@ -207,3 +207,44 @@ def test_salience_raises_rank_of_attended_tokens():
     where = (code.coded_pos == target).nonzero()[0, 0]
     assert code.ranks[where] == code.ranks.max()
     assert math.isclose(float(code.ranks.long().float().mean()), float(code.ranks.float().mean()))
+
+
+def signal_inputs(coded, seq_len, **changes):
+    """SignalInputs of a random 2-head prompt of `seq_len` tokens (queries, keys and residuals drawn)."""
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(1, 2, seq_len, 8, generator=g)
+    queries = torch.randn(1, 4, min(seq_len, 16), 8, generator=g)
+    residuals = torch.randn(coded.numel(), 32, generator=g)
+    fields = dict(queries=queries, keys=keys, scaling=8**-0.5, coded=coded, seq_len=seq_len, stride=16, window=64,
+                  pool_kernel=5, seed=0, residuals=residuals)
+    return SignalInputs(**{**fields, **changes})
+
+
+def test_a_new_signal_is_one_registered_function():
+    """The registry is the only place a signal lives: registering one makes it a valid config value and the
+    codec allocates by it, with no other change."""
+    @register_signal("late_tokens")
+    def late_tokens(x):
+        return minmax(x.coded.float())
+
+    try:
+        config = VarRateConfig(signal="late_tokens", budget=0.4, stride=8, window=8, r_min=2)
+        g = torch.Generator().manual_seed(1)
+        keys, values = torch.randn(1, 2, 200, 8, generator=g), torch.randn(1, 2, 200, 8, generator=g)
+        cos, sin = torch.ones(1, 200, 8), torch.zeros(1, 200, 8)
+        code = encode_prompt(keys, values, keys[:, :, -8:], cos, sin, torch.eye(32), config, 8**-0.5)
+        ranks = code.ranks.long()
+        assert ranks[-10:].float().mean() > ranks[:10].float().mean()  # rank follows the new signal
+        with pytest.raises(ValueError, match="signal"):
+            VarRateConfig(signal="no_such_signal")
+    finally:
+        SIGNALS.pop("late_tokens", None)
+
+
+@pytest.mark.parametrize("signal", sorted(SIGNALS))
+def test_every_registered_signal_scores_the_coded_tokens_in_0_1(signal):
+    coded = (~exact_mask(300, 16, 64)).nonzero()[:, 0]
+    s_hat = coded_salience(signal, signal_inputs(coded, 300))
+    assert s_hat.shape == coded.shape and bool(torch.isfinite(s_hat).all())
+    assert bool((s_hat >= 0).all() and (s_hat <= 1).all())
+

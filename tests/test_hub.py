@@ -23,7 +23,8 @@ from huggingface_hub import ModelCard
 
 from hf_varrate import Bases, BasesError
 from hf_varrate.bases import ARTIFACT_FILES, CARD_NAME, CONFIG_NAME, WEIGHTS_NAME
-from hf_varrate.hub import push_folder, render_card
+from hf_varrate.bases import push_folder
+from hf_varrate.card import render_card
 
 ROOT = Path(__file__).resolve().parents[1]
 REPO = "varrate-test/tiny-bases"

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from hf_varrate import VarRateConfig
 from hf_varrate.codec import (
-    coded_salience, compress_prompt, decode_prompt, encode_prompt, exact_mask, minmax, pack, pool_scores,
+    SIGNALS, SignalInputs, coded_salience, compress_prompt, decode_prompt, encode_prompt, exact_mask, minmax, pack, pool_scores,
     snapkv_scores, topk_ranks, unpack, waterfill_ranks,
 )
 
@@ -191,12 +191,19 @@ def test_snapkv_scores_are_a_finite_distribution_over_the_prompt(seq_len, window
 
 
 @SETTINGS
-@given(st.sampled_from(["snapkv", "uniform", "random", "shuffle", "position"]), salience_vectors(),
-       st.integers(1, 32), st.integers(1, 64), st.integers(0, 100))
-def test_coded_salience_is_finite_in_0_1_for_every_signal(signal, snapkv, stride, window, seed):
-    seq_len = snapkv.numel()
+@given(st.sampled_from(sorted(SIGNALS)), salience_vectors(), st.integers(1, 32), st.integers(1, 64),
+       st.integers(0, 100))
+def test_coded_salience_is_finite_in_0_1_for_every_signal(signal, scale, stride, window, seed):
+    """Every registered signal, on keys and residuals whose per-token magnitude is one of the shapes that
+    trip allocators up (constant, zero, spiky, tied, NaN)."""
+    seq_len = scale.numel()
     coded = (~exact_mask(seq_len, stride, window)).nonzero()[:, 0]
-    s_hat = coded_salience(signal, snapkv, coded, seq_len, stride, window, seed)
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(1, HEADS, seq_len, DIM, generator=g) * scale[None, None, :, None]
+    queries = torch.randn(1, 2 * HEADS, min(seq_len, 8), DIM, generator=g)
+    residuals = torch.randn(coded.numel(), 2 * HEADS * DIM, generator=g) * scale[coded, None]
+    inputs = SignalInputs(queries, keys, DIM**-0.5, coded, seq_len, stride, window, 5, seed, residuals)
+    s_hat = coded_salience(signal, inputs)
     assert s_hat.shape == coded.shape and bool(torch.isfinite(s_hat).all())
     assert bool((s_hat >= 0).all() and (s_hat <= 1).all())
 

@@ -9,7 +9,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 import hf_varrate
 from hf_varrate import Bases, VarRateCache
-from hf_varrate.serialization import CONFIG_NAME, TENSORS_NAME, CacheFileError
+from hf_varrate.cache_checks import CONFIG_NAME, TENSORS_NAME
+from hf_varrate.errors import CacheFileError
 
 from conftest import TINY_SHAPE
 from test_cache import prompt

@@ -18,7 +18,8 @@ from transformers import DynamicCache
 
 from ..bases import Bases
 from ..binding import bind, is_bound, unbind
-from ..cache import VarRateCache, VarRateLayer
+from ..cache import VarRateCache
+from ..layers import VarRateLayer
 from ..config import VarRateConfig
 
 

@@ -4,14 +4,15 @@ from .allocation import topk_ranks, waterfill_ranks
 from .attend import attend_codes
 from .anchors import anchor_means, anchor_positions, exact_mask, gather_means, nearest_anchors, nearest_anchors_mm, residuals
 from .joint import join_kv, joint_rows, split_kv
-from .packing import PromptCode
+from .packing import PromptCode, tensor_bytes
 from .pipeline import coef_values, coefficient_budget, compress_prompt, decode_prompt, encode_prompt
-from .projection import RankOrder, decode, decode_blocks, encode, encode_blocks, pack, rank_order, unpack
+from .projection import RankOrder, decode, decode_blocks, encode, encode_blocks, matmul_dtype, pack, rank_order, unpack
 from .quantization import QuantizedCoefs, dequantize, quantize
 from .rope import rope_tables, rotate_keys, rotate_rows, sample_positions, unrotate_keys, unrotate_rows
-from .salience import coded_salience, minmax, pool_scores, snapkv_scores
+from .salience import SIGNALS, Signal, SignalInputs, attention_scale, coded_salience, minmax, pool_scores, register_signal, snapkv_scores
 
 __all__ = [
+    "SIGNALS", "Signal", "SignalInputs", "attention_scale", "matmul_dtype", "register_signal", "tensor_bytes",
     "PromptCode", "QuantizedCoefs", "RankOrder", "anchor_means", "attend_codes", "anchor_positions", "coded_salience", "coef_values",
     "coefficient_budget", "compress_prompt", "decode", "decode_blocks", "decode_prompt", "dequantize", "encode",
     "encode_blocks", "encode_prompt", "exact_mask", "gather_means", "join_kv", "joint_rows", "minmax",

@@ -29,7 +29,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import native
 from .packing import PromptCode
 from .pipeline import code_layout, coef_values, dense_coef_values
-from .projection import DenseOrder, RankOrder, _padded_basis
+from .projection import DenseOrder, RankOrder, padded_basis
 from .quantization import QuantizedCoefs, dequantize_runs
 
 
@@ -71,7 +71,7 @@ def attend_codes(code: PromptCode, query, exact_keys, exact_values, tail_keys, t
         out = torch.matmul(p_exact, exact_values.float()) + torch.matmul(p_tail, tail_values.float())
         mixed = _mix_codes(pieces, p_coded.reshape(heads * rows, n_coded))  # [H * rows, width]
         width = mixed.shape[1]
-        values = _padded_basis(basis_v, width).view(width, heads, dim).transpose(0, 1)  # [H, width, d]
+        values = padded_basis(basis_v, width).view(width, heads, dim).transpose(0, 1)  # [H, width, d]
         out += torch.matmul(mixed.view(heads, rows, width), values)
     return out.view(heads_q, q_len, dim)
 
@@ -80,7 +80,7 @@ def _coded_scores(pieces, neighbours, exact_keys, in_exact, anchors, coded, turn
     """q . k_t for the coded tokens: [H, rows, C] (q [H, rows, d] paired). In one pass of `native.c` where it
     is built; else `_coded_keys`, then `_block_scores`."""
     z_anchors = _anchor_keys(exact_keys, in_exact, anchors, turns, neighbours.shape[1])
-    basis = _padded_basis(basis_k, max(j1 for _, _, _, j1, _ in pieces)).to(pieces[0][4].dtype)
+    basis = padded_basis(basis_k, max(j1 for _, _, _, j1, _ in pieces)).to(pieces[0][4].dtype)
     if native.available():
         scores = native.coded_key_scores(_projection(pieces, basis), z_anchors, neighbours, turns, coded, q)
         if scores is not None:

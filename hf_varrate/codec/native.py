@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from ..paths import cache_root
+
 SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ["-O3", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11"]
 ENV_SWITCH = "HF_VARRATE_NATIVE"
@@ -86,7 +88,6 @@ def _library() -> ctypes.CDLL | None:
 
 def _build() -> Path:
     """The shared library for this source, compiler and CPU, compiled into the cache if not there yet."""
-    from ..models import _cache_root
 
     compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc")]  # CC may hold flags
     if compiler[0] is None:
@@ -94,7 +95,7 @@ def _build() -> Path:
     version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     source = SOURCE.read_bytes()
     key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(FLAGS).encode(), _cpu().encode()]))
-    target = _cache_root() / "kernels" / f"native-{key.hexdigest()[:16]}.so"
+    target = cache_root() / "kernels" / f"native-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

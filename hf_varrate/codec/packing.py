@@ -91,6 +91,41 @@ class PromptCode:
         """Bytes the same prompt takes uncompressed in the same dtype (or at `kv_bytes` a value)."""
         return self.seq_len * self.width * (self.kv_bytes if kv_bytes is None else kv_bytes)
 
+    # saved caches ----------------------------------------------------------------------------------
+    def to_tensors(self, exact_keys: torch.Tensor, exact_values: torch.Tensor) -> tuple[dict, dict[str, torch.Tensor]]:
+        """(JSON-able fields, named tensors) of this code with its exact tokens [1, H, E, d]; the one place
+        the saved-cache format of a code is written (`from_tensors` reads it)."""
+        row = {"seq_len": self.seq_len, "stride": self.stride, "window": self.window, "width": self.width,
+               "kv_bytes": self.kv_bytes, "stored_exactly": self.stored_exactly}
+        tensors = {"exact_keys": exact_keys, "exact_values": exact_values}
+        if self.stored_exactly:
+            return row, tensors
+        tensors["neighbours"], tensors["ranks"] = self.neighbours, self.ranks
+        if isinstance(self.coefs, QuantizedCoefs):
+            q = self.coefs
+            tensors["codes"], tensors["mins"], tensors["steps"] = q.codes, q.mins, q.steps
+            row["quantized"] = {"bits": q.bits, "group": q.group, "count": q.count}
+        else:
+            tensors["coefs"] = self.coefs
+        return row, tensors
+
+    @classmethod
+    def from_tensors(cls, row: dict, tensors: dict[str, torch.Tensor], device) -> PromptCode:
+        """The code `to_tensors` wrote (fields checked beforehand), holding its exact tokens, on `device`."""
+        get = lambda name: tensors[name].to(device)  # noqa: E731
+        exact_k, exact_v = get("exact_keys"), get("exact_values")
+        empty = torch.empty(0, dtype=torch.int16, device=device)
+        code = cls(row["seq_len"], row["stride"], row["window"], empty.view(0, 1), empty, empty.to(exact_k.dtype),
+                   row["width"], row["kv_bytes"], row["stored_exactly"], exact_k, exact_v)
+        if not code.stored_exactly:
+            code.neighbours, code.ranks = get("neighbours"), get("ranks")
+            if "quantized" in row:
+                q = row["quantized"]
+                code.coefs = QuantizedCoefs(get("codes"), get("mins"), get("steps"), q["bits"], q["group"], q["count"])
+            else:
+                code.coefs = get("coefs")
+        return code
+
     def held_tensors(self) -> list[torch.Tensor]:
         """Every tensor this code holds (for memory accounting)."""
         held = [self.neighbours, self.ranks]
@@ -102,11 +137,12 @@ class PromptCode:
 def coef_bytes(coefs) -> int:
     if isinstance(coefs, QuantizedCoefs):
         return coefs.nbytes()
-    return _tensor_bytes(coefs)
+    return tensor_bytes(coefs)
 
 
-def _tensor_bytes(*tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+def tensor_bytes(*tensors) -> int:
+    """Bytes of the given tensors' elements (None skipped)."""
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 def smallest_uint(max_value: int) -> torch.dtype:

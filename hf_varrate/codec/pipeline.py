@@ -13,12 +13,13 @@ materialized reconstruction reuses the encoder's anchor means. Each stage runs u
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch.profiler import record_function
 
-from ..config import VarRateConfig
 from .allocation import topk_ranks, waterfill_ranks
 from .anchors import anchor_positions, exact_mask, gather_means, nearest_anchors_mm
 from .joint import joint_rows
@@ -29,7 +30,10 @@ from .projection import (DenseOrder, RankOrder, decode_blocks, decode_dense, den
 from .quantization import SCALE_DTYPE, QuantizedCoefs, dequantize, dequantize_dense, quantize, quantize_dense
 from .reference import decode_reference, encode_reference
 from .rope import rotate_heads
-from .salience import coded_salience, minmax, snapkv_scores
+from .salience import SIGNALS, SignalInputs, coded_salience
+
+if TYPE_CHECKING:  # annotations only: the codec reads a config's fields, it never builds one
+    from ..config import VarRateConfig
 
 
 def coefficient_budget(config: VarRateConfig, seq_len: int, n_exact: int, n_coded: int, width: int,
@@ -94,10 +98,12 @@ def compress_prompt(keys, values, queries, cos, sin, basis, config: VarRateConfi
     coded_pos, anchor_pos = code.coded_pos, code.anchor_pos
     floor = rank_floor(config, total, coded_pos.numel(), rank)
     allocate = waterfill_ranks if config.allocation == "waterfill" else topk_ranks
+    inputs = SignalInputs(queries, keys, scaling, coded_pos, code.seq_len, config.stride, config.window,
+                          config.pool_kernel, config.seed)
     salience = None
-    if config.signal != "residual":  # 'residual' is known only after the anchor search
+    if not SIGNALS[config.signal].after_anchors:
         with record_function("varrate.salience"):
-            salience = _salience(config, queries, keys, scaling, coded_pos, code.seq_len)
+            salience = coded_salience(config.signal, inputs)
     if config.implementation == "reference":
         packed = encode_reference(code, keys, values, cos, sin, salience, basis, rank, total, config, floor)
         code.coefs = _store(packed, code.ranks, keys.dtype, config)
@@ -121,7 +127,8 @@ def compress_prompt(keys, values, queries, cos, sin, basis, config: VarRateConfi
         z.sub_(means)
     if plan is None:
         with record_function("varrate.allocation"):
-            ranks = allocate(minmax(z.norm(dim=1)), total, floor, rank)  # in coded_pos order
+            salience = coded_salience(config.signal, dataclasses.replace(inputs, residuals=z))  # coded_pos order
+            ranks = allocate(salience, total, floor, rank)
             plan = _plan(ranks, _group(config))
             coded_pos, z, means, neighbours = (_in_order(t, plan) for t in (coded_pos, z, means, neighbours))
     mm_dtype = matmul_dtype(config.projection_dtype, keys.device)
@@ -308,11 +315,3 @@ def _unsort(rows: torch.Tensor, plan: RankOrder | DenseOrder) -> torch.Tensor:
     out[plan.order] = rows
     return out
 
-
-def _salience(config, queries, keys, scaling, coded_pos, seq_len):
-    scores = None
-    if config.signal in ("snapkv", "shuffle"):
-        scores = snapkv_scores(queries, keys, scaling, config.pool_kernel)
-    elif config.signal == "key_norm":
-        scores = keys[0].float().norm(dim=-1).mean(dim=0)  # [S]; RoPE keeps norms
-    return coded_salience(config.signal, scores, coded_pos, seq_len, config.stride, config.window, config.seed)

@@ -237,7 +237,7 @@ def dense_order(ranks: torch.Tensor, group: int = 1, slack: float = DENSE_SLACK)
     return DenseOrder(ranks, width, group, total, runs)
 
 
-def _padded_basis(basis: torch.Tensor, width: int) -> torch.Tensor:
+def padded_basis(basis: torch.Tensor, width: int) -> torch.Tensor:
     """basis [R, D] cut or zero-padded to `width` rows (width may pass R when rounded up to a group)."""
     if width <= basis.shape[0]:
         return basis[:width]
@@ -248,13 +248,13 @@ def encode_dense(residuals: torch.Tensor, basis: torch.Tensor, plan: DenseOrder,
                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Eq. 6 for residuals [C, D]: [C, width] fp32 coefficients (entries past a token's rank are not zero:
     `plan.to_stream` keeps the stored ones)."""
-    return (residuals.to(dtype) @ _padded_basis(basis, plan.width).to(dtype).T).float()
+    return (residuals.to(dtype) @ padded_basis(basis, plan.width).to(dtype).T).float()
 
 
 def decode_dense(means: torch.Tensor, coefs: torch.Tensor, basis: torch.Tensor, plan: DenseOrder,
                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Eq. 6: z-hat = z-bar + V^T c, in place on means [C, D] fp32; coefs [C, width], zeros past each rank."""
-    basis = _padded_basis(basis, plan.width)
+    basis = padded_basis(basis, plan.width)
     if dtype == torch.float32:
         return means.addmm_(coefs, basis)
     return means.add_(coefs.to(dtype) @ basis.to(dtype))  # the means stay fp32

@@ -1,13 +1,20 @@
-"""Per-token salience (Section 3.2, Eq. 4) and the paper's control signals.
+"""Per-token salience (Section 3.2, Eq. 4), the paper's control signals, and the registry of signals.
+
+A signal is one function from `SignalInputs` to the normalised salience s-hat [C] in [0, 1] of the
+coded tokens, registered under its name with `@register_signal(name, ...)`; `VarRateConfig.signal`
+accepts exactly the registered names. Adding a signal is that function, its registry entry (the
+decorator) and its test: nothing else changes.
 
 Shapes: queries [1, Hq, W, d] (the last W prompt queries, post-RoPE), keys [1, H, S, d] (post-RoPE),
-scores [S]. Scores are computed in the model's dtype, as SnapKV does: the allocation downstream
-sees the same rounding the reference saw (Appendix A.11 pitfall).
+scores [S], coded [C] long, residuals [C, D]. SnapKV scores are computed in the model's dtype, as
+SnapKV does: the allocation downstream sees the same rounding the reference saw (Appendix A.11 pitfall).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -61,27 +68,98 @@ def minmax(scores: torch.Tensor) -> torch.Tensor:
     return (s - low) / (high - low)
 
 
-def coded_salience(
-    signal: str,
-    snapkv: torch.Tensor | None,
-    coded: torch.Tensor,
-    seq_len: int,
-    stride: int,
-    window: int,
-    seed: int,
-) -> torch.Tensor:
-    """[C] normalised salience s-hat over the coded tokens for the configured signal."""
-    if signal == "uniform":
-        return torch.ones(coded.numel(), device=coded.device)
-    if signal == "position":
-        return minmax(position_scores(seq_len, stride, window, coded.device)[coded])
-    generator = torch.Generator(device="cpu").manual_seed(seed)
-    if signal == "random":
-        return torch.rand(coded.numel(), generator=generator).to(coded.device)
-    s_hat = minmax(snapkv[coded])  # 'snapkv', 'shuffle', or 'key_norm' (scores passed in the same slot)
-    if signal == "shuffle":  # same marginal, alignment destroyed (Appendix A.17)
-        s_hat = s_hat[torch.randperm(s_hat.numel(), generator=generator).to(coded.device)]
-    return s_hat
+@dataclass(frozen=True)
+class SignalInputs:
+    """What a signal may read. `residuals` [C, D] (each coded token's z_t minus its anchors' mean) exist
+    only for signals registered with `after_anchors=True`, which are scored after the anchor search."""
+
+    queries: torch.Tensor
+    keys: torch.Tensor
+    scaling: float
+    coded: torch.Tensor
+    seq_len: int
+    stride: int
+    window: int
+    pool_kernel: int
+    seed: int
+    residuals: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Signal:
+    """A registered signal: its function and what it needs. `query_aware`: it reads the prefill's window
+    queries (so the cache needs the model bound); `paper`: one of the paper's signals or controls
+    (`implementation='reference'` runs only those)."""
+
+    score: Callable[[SignalInputs], torch.Tensor]
+    query_aware: bool = False
+    after_anchors: bool = False
+    paper: bool = False
+
+
+SIGNALS: dict[str, Signal] = {}
+
+
+def register_signal(name: str, *, query_aware: bool = False, after_anchors: bool = False, paper: bool = False):
+    """Decorator: register `fn(inputs: SignalInputs) -> s_hat [C] in [0, 1]` as signal `name`."""
+    def register(fn):
+        SIGNALS[name] = Signal(fn, query_aware, after_anchors, paper)
+        return fn
+    return register
+
+
+def coded_salience(signal: str, inputs: SignalInputs) -> torch.Tensor:
+    """[C] normalised salience s-hat over the coded tokens for the named signal (empty when nothing is coded)."""
+    if inputs.coded.numel() == 0:
+        return torch.zeros(0, device=inputs.coded.device)
+    return SIGNALS[signal].score(inputs)
+
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator(device="cpu").manual_seed(seed)
+
+
+@register_signal("snapkv", query_aware=True, paper=True)
+def snapkv_signal(x: SignalInputs) -> torch.Tensor:
+    """The paper's salience: attention from the prompt's last queries (Eq. 4), min-max over the coded tokens."""
+    return minmax(snapkv_scores(x.queries, x.keys, x.scaling, x.pool_kernel)[x.coded])
+
+
+@register_signal("uniform", paper=True)
+def uniform_signal(x: SignalInputs) -> torch.Tensor:
+    """A constant: every coded token gets the flat rank (the paper's flat ablation)."""
+    return torch.ones(x.coded.numel(), device=x.coded.device)
+
+
+@register_signal("random", paper=True)
+def random_signal(x: SignalInputs) -> torch.Tensor:
+    """Uniform noise, seeded (a control)."""
+    return torch.rand(x.coded.numel(), generator=_generator(x.seed)).to(x.coded.device)
+
+
+@register_signal("shuffle", query_aware=True, paper=True)
+def shuffle_signal(x: SignalInputs) -> torch.Tensor:
+    """SnapKV's scores permuted: same marginal, alignment destroyed (Appendix A.17)."""
+    s_hat = snapkv_signal(x)
+    return s_hat[torch.randperm(s_hat.numel(), generator=_generator(x.seed)).to(s_hat.device)]
+
+
+@register_signal("position", paper=True)
+def position_signal(x: SignalInputs) -> torch.Tensor:
+    """An attention-sink bump plus a recency ramp: position alone, no content (a control)."""
+    return minmax(position_scores(x.seq_len, x.stride, x.window, x.coded.device)[x.coded])
+
+
+@register_signal("key_norm")
+def key_norm_signal(x: SignalInputs) -> torch.Tensor:
+    """Query-agnostic: the mean key norm over heads (RoPE keeps norms)."""
+    return minmax(x.keys[0].float().norm(dim=-1).mean(dim=0)[x.coded])
+
+
+@register_signal("residual", after_anchors=True)
+def residual_signal(x: SignalInputs) -> torch.Tensor:
+    """Query-agnostic: the norm of the token's residual to its anchors (rank follows how hard it is to code)."""
+    return minmax(x.residuals.norm(dim=1))
 
 
 def attention_scale(module) -> float:

@@ -1,0 +1,19 @@
+"""Every exception and warning class hf_varrate raises, in one place.
+
+Each is a `ValueError` (or a `UserWarning`), so code that catches the built-in types keeps working;
+catching these names is how a caller tells a bad artifact from a bad argument.
+"""
+
+from __future__ import annotations
+
+
+class VarRateWarning(UserWarning):
+    """Something the codec did differently from what was asked, without losing data."""
+
+
+class BasesError(ValueError):
+    """A bases artifact is missing, corrupt, or does not fit the model it meets."""
+
+
+class CacheFileError(ValueError):
+    """A saved cache is missing, corrupt, or does not fit the model (or bases) it is loaded with."""

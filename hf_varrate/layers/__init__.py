@@ -1,0 +1,10 @@
+"""A VarRateCache's full-attention layers: one class per storage mode, sharing the prefill."""
+
+from .base import UNBOUND_MESSAGE, LayerFootprint, PrefillContext, VarRateLayer
+from .compact import CompactLayer
+from .materialized import MaterializedLayer
+
+LAYER_CLASSES = {"materialized": MaterializedLayer, "compact": CompactLayer}
+
+__all__ = ["CompactLayer", "LAYER_CLASSES", "LayerFootprint", "MaterializedLayer", "PrefillContext",
+           "UNBOUND_MESSAGE", "VarRateLayer"]

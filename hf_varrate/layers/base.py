@@ -1,0 +1,282 @@
+"""`VarRateLayer`: what both storage modes of a full-attention layer share, the prefill above all.
+
+Orchestration only; the arithmetic is in `hf_varrate.codec`. The layer's first update with more than
+one token is the prefill: the prefill's own attention gets the exact K/V it was given, the layer
+codes the prompt (`_prefill`), and every later token is stored exactly. How the coded prompt is held
+is the subclass's one job (`MaterializedLayer`, `CompactLayer`): `_store` at the prefill, `_append`
+afterwards, `read`, `exact_tokens`, `footprint` and `crop`. A cache switches storage by swapping
+layer objects (`from_layer`); a saved cache's layers round-trip through `to_tensors` / `from_tensors`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from ..bases import Bases
+from ..codec import PromptCode
+from ..config import VarRateConfig
+from ..errors import CacheFileError
+from ..rotary import RopeMemo, RotaryFrequencies
+from .rows import Row, all_finite, row_inputs, slots_of
+
+UNBOUND_MESSAGE = (
+    "VarRateCache needs the model bound to it to see the prefill's queries: build the cache with "
+    "VarRateCache.from_pretrained(bases, model=model) or call hf_varrate.bind(model) before generate()"
+)
+
+
+@dataclass
+class PrefillContext:
+    """What a layer needs at its prefill that only the attention module can see.
+
+    queries [B, Hq, W, d] post-RoPE; cos, sin [B or 1, S, d]; key_valid [B, S] bool or None (no padding).
+    """
+
+    queries: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    scaling: float
+    key_valid: torch.Tensor | None
+
+
+@dataclass
+class LayerFootprint:
+    layer_idx: int
+    kind: str  # "varrate", "sliding" or "exact"
+    bytes: int
+    full_bytes: int
+    rows_stored_exactly: int = 0
+    appended_bytes: int = 0  # tokens added after the prefill, stored exactly (part of `bytes`)
+    held_bytes: int | None = None  # bytes of the tensors the layer really holds (None: same as `bytes`)
+
+    @property
+    def fraction(self) -> float:
+        return self.bytes / self.full_bytes if self.full_bytes else 1.0
+
+    @property
+    def prompt_fraction(self) -> float:
+        full = self.full_bytes - self.appended_bytes
+        return (self.bytes - self.appended_bytes) / full if full else 1.0
+
+
+class VarRateLayer(DynamicLayer):
+    """One full-attention layer: compresses its prompt once, then grows like a DynamicLayer.
+
+    `codes[b]` is sequence b's `PromptCode`; `spans[b]` the cache slots of its real (non-padding)
+    prompt tokens ((start, stop) or a LongTensor of slots); `offsets[b]` the RoPE position of its first
+    real token (None: unknown); `appended` counts tokens added after the prefill.
+    """
+
+    storage: str = ""  # "materialized" or "compact", per subclass
+
+    def __init__(self, layer_idx: int, bases: Bases, config: VarRateConfig, rope: RotaryFrequencies | None = None,
+                 memo: RopeMemo | None = None):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.bases = bases
+        self.config = config
+        self.rope = rope
+        self.memo = memo if memo is not None else RopeMemo()
+        self.coded_reads = False  # set before each forward by the binding hook: the model's attention is "varrate"
+        self._reset_state()
+
+    def _reset_state(self):
+        self.prefill_context: PrefillContext | None = None
+        self.prefilled = False
+        self.codes: list[PromptCode] = []
+        self.spans: list = []
+        self.offsets: list[int | None] = []
+        self.prompt_len = 0  # cache slots of the prompt (padding included)
+        self.prompt_kept = 0  # the same, after crops into the prompt
+        self.appended = 0
+
+    @classmethod
+    def from_layer(cls, layer: VarRateLayer) -> VarRateLayer:
+        """This storage mode's layer holding `layer`'s tokens (the same ones): how a cache switches storage."""
+        if type(layer) is cls:
+            return layer
+        new = cls.__new__(cls)
+        new.__dict__.update(layer.__dict__)
+        if layer.codes:
+            new._adopt(layer)
+        return new
+
+    def _adopt(self, layer: VarRateLayer) -> None:
+        """Take over `layer`'s coded prompt (already in self.__dict__), held the other way."""
+        raise NotImplementedError
+
+    # state -------------------------------------------------------------------------------------------
+    @property
+    def awaits_prefill(self) -> bool:
+        return not self.prefilled
+
+    @property
+    def compact(self) -> bool:
+        """Whether only codes and exact tokens are held (a prefilled `CompactLayer`)."""
+        return False
+
+    @property
+    def positions(self) -> list[torch.Tensor]:
+        return [slots_of(span, self.device) for span in self.spans]
+
+    @property
+    def ranks(self):
+        """Per-token ranks of the coded tokens: a LongTensor [C] for one sequence, a list for a batch."""
+        ranks = [code.ranks.long() for code in self.codes]
+        return ranks[0] if len(ranks) == 1 else ranks
+
+    @property
+    def rows_stored_exactly(self) -> int:
+        return sum(code.stored_exactly for code in self.codes)
+
+    # updates -----------------------------------------------------------------------------------------
+    def update(self, key_states, value_states, *args, **kwargs):
+        coded_read, self.coded_reads = self.coded_reads, False  # armed by the hook for this forward only
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if not self.prefilled and key_states.shape[-2] > 1:
+            return self._prefill(key_states, value_states)
+        if not self.prefilled:  # a one-token start: nothing to code, a plain DynamicLayer from here on
+            self.prefilled = True
+            return super().update(key_states, value_states)
+        self.appended += key_states.shape[-2]
+        return self._append(key_states, value_states, coded_read)
+
+    def _append(self, key_states, value_states, coded_read: bool):
+        return super().update(key_states, value_states)
+
+    def _prefill(self, keys, values):
+        context, self.prefill_context = self.prefill_context, None
+        if context is None:
+            raise RuntimeError(UNBOUND_MESSAGE)
+        if not (all_finite(keys) and all_finite(values)):
+            raise ValueError(
+                f"layer {self.layer_idx}: keys or values contain NaN or inf at the prefill; VarRate refuses to "
+                f"code them. Check the model's dtype (fp16 overflow?) and inputs"
+            )
+        self.prefilled = True  # only now: after a refused prefill the cache still awaits one (a retry compresses)
+        self.prompt_len = self.prompt_kept = keys.shape[-2]
+        rows = [row_inputs(context, b, keys, values) for b in range(keys.shape[0])]
+        self.offsets = [self._rope_offset(row) for row in rows]
+        coding = self.bases.coding_basis(self.layer_idx, self.config.balance, keys.device)  # (basis, scales)
+        share = self.bases.layer_share(self.layer_idx, self.config)  # per-layer budgets, or None
+        self._store(rows, coding, context.scaling, keys, values, share)
+        return keys, values  # the prefill attends to the exact K/V
+
+    def _store(self, rows: list[Row], coding, scaling: float, keys, values, share) -> None:
+        """Code every row's prompt and hold the result (this storage mode's way)."""
+        raise NotImplementedError
+
+    def _rope_offset(self, row: Row) -> int | None:
+        """Where row's RoPE positions start: 0 (as `generate` numbers left-padded rows), or its first slot."""
+        if self.rope is None or row.keys.shape[-2] == 0:
+            return None if self.rope is None else 0
+        start = row.span[0] if isinstance(row.span, tuple) else int(row.span[0])
+        return self.rope.offset_of(row.cos, row.sin, (0, start) if start else (0,))
+
+    def rope_known(self, keys: torch.Tensor | None = None) -> str | None:
+        """Why compact storage could not re-rotate this layer's keys with recomputed RoPE tables (they must be
+        the model's, bit for bit), or None if it can: for the coded prompt, or, given the prefill's `keys`,
+        for the prefill about to run (its context set by the binding hook)."""
+        if self.rope is None:
+            return "the cache has no rotary frequencies (build it with model=model)"
+        offsets = self.offsets
+        if keys is not None and self.prefill_context is not None:
+            rows = [row_inputs(self.prefill_context, b, keys, keys) for b in range(keys.shape[0])]
+            offsets = [self._rope_offset(row) for row in rows]
+        if any(offset is None for offset in offsets):
+            return "the model's RoPE tables are not consecutive positions of its inv_freq (custom position ids?)"
+        return None
+
+    # reads -------------------------------------------------------------------------------------------
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's K/V [B, H, tokens, d] as attention reads them."""
+        return self.keys, self.values
+
+    def exact_tokens(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row b's exact tokens [1, H, E, d]."""
+        raise NotImplementedError
+
+    def footprint(self) -> LayerFootprint:
+        raise NotImplementedError
+
+    def _full_bytes(self) -> tuple[int, int, list[int]]:
+        """(full K/V bytes of what is held, bytes of the appended tokens, each row's prompt tokens kept)."""
+        per_token = self.codes[0].width * self.codes[0].kv_bytes
+        kept = [int((slots_of(span, "cpu") < self.prompt_kept).sum()) for span in self.spans]
+        tail = self.appended * len(self.codes) * per_token
+        return sum(kept) * per_token + tail, tail, kept
+
+    # cache operations: the tensors follow DynamicLayer, the per-sequence codes follow the tensors -------
+    def reset(self) -> None:
+        super().reset()
+        # transformers < 5.24 zeroes the tensors in DynamicLayer.reset; a reset layer must await a
+        # new prefill with nothing held, as it does on newer versions.
+        self.keys = self.values = None
+        self.is_initialized = False
+        self._reset_state()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """DynamicLayer's crop, keeping the prompt / appended bookkeeping (a crop may reach into the prompt)."""
+        length = self.get_seq_length()
+        super().crop(tokens_to_remove)
+        removed = length - self.get_seq_length()
+        self.prompt_kept = min(self.prompt_kept, self.get_seq_length())
+        self.appended = max(self.appended - removed, 0)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._index_rows(beam_idx)
+        self._select_rows(beam_idx.tolist())
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        rows = [i for i in range(len(self.codes)) for _ in range(repeats)]
+        self._index_rows(torch.tensor(rows, dtype=torch.long))
+        self._select_rows(rows)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        rows = torch.arange(len(self.codes))[indices.cpu() if torch.is_tensor(indices) else indices]
+        self._index_rows(rows)
+        self._select_rows(rows.tolist())
+
+    def _index_rows(self, rows: torch.Tensor) -> None:
+        if self.is_initialized and self.keys is not None and (self.keys.numel() or self.compact):
+            self.keys = self.keys.index_select(0, rows.to(self.keys.device))
+            self.values = self.values.index_select(0, rows.to(self.values.device))
+
+    def _select_rows(self, rows: list[int]) -> None:
+        if self.codes:
+            self.codes = [self.codes[i] for i in rows]
+            self.spans = [self.spans[i] for i in rows]
+            self.offsets = [self.offsets[i] for i in rows]
+
+    # saved caches --------------------------------------------------------------------------------------
+    def to_tensors(self, prefix: str) -> tuple[dict, dict[str, torch.Tensor]]:
+        """(JSON-able bookkeeping, tensors named under `prefix`) of a prefilled layer with codes: each row's
+        code and exact tokens, and the tokens appended after the prefill. `from_tensors` reads them back."""
+        tensors: dict[str, torch.Tensor] = {}
+        rows = []
+        for b, code in enumerate(self.codes):
+            if self.offsets[b] is None:
+                raise CacheFileError(
+                    f"layer {self.layer_idx} row {b}: its keys were rotated at positions the cache did not record (no "
+                    f"rotary frequencies, or custom position ids), so it cannot be rebuilt; build the cache with "
+                    f"model=model and let the model number the positions")
+            row, row_tensors = code.to_tensors(*self.exact_tokens(b))
+            span = self.spans[b]
+            row.update(rope_offset=self.offsets[b], span=list(span) if isinstance(span, tuple) else None)
+            if not isinstance(span, tuple):
+                row_tensors["slots"] = span
+            rows.append(row)
+            tensors.update({f"{prefix}.rows.{b}.{name}": t for name, t in row_tensors.items()})
+        tail_k, tail_v = self.appended_tokens()
+        tensors[f"{prefix}.appended_keys"], tensors[f"{prefix}.appended_values"] = tail_k, tail_v
+        info = {"kind": "varrate", "prompt_len": self.prompt_len, "prompt_kept": self.prompt_kept,
+                "appended": self.appended, "rows": rows, "dtype": str(tail_k.dtype).removeprefix("torch.")}
+        return info, tensors
+
+    def appended_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tokens added after the prefill, [B, H, appended, d]."""
+        raise NotImplementedError

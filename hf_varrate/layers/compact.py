@@ -1,0 +1,168 @@
+"""`CompactLayer`: only the codes and the exact tokens are held; the prompt is rebuilt when read.
+
+`codes[b].exact_keys` / `exact_values` hold row b's exact tokens; `keys` / `values` hold only the
+tokens appended after the prefill. Every read rebuilds the prompt (`read`), except under the
+"varrate" attention implementation (`hf_varrate.attention`), which attends over the codes (`attend`).
+Re-rotating the rebuilt keys needs the model's RoPE frequencies, bit for bit: a prefill whose tables
+are not theirs is held materialized instead (the cache swaps the layer, see `rope_known`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..attention import CodedRead
+from ..codec import PromptCode, attend_codes, compress_prompt, decode_prompt, matmul_dtype, tensor_bytes
+from .base import LayerFootprint, VarRateLayer
+from .rows import covers, slots_of
+
+
+class CompactLayer(VarRateLayer):
+    storage = "compact"
+
+    @property
+    def compact(self) -> bool:
+        return bool(self.codes)
+
+    def _store(self, rows, coding, scaling, keys, values, share) -> None:
+        for row in rows:
+            code = compress_prompt(row.keys, row.values, row.queries, row.cos, row.sin, coding[0], self.config,
+                                   scaling, reconstruct=False, scales=coding[1], layer_share=share)[0]
+            exact = code.exact_pos
+            code.exact_keys = row.keys.index_select(2, exact)  # copies: the prompt's tensors are not kept
+            code.exact_values = row.values.index_select(2, exact)
+            self.codes.append(code)
+            self.spans.append(row.span)
+        batch, heads, _, dim = keys.shape
+        self.keys = keys.new_empty(batch, heads, 0, dim)
+        self.values = keys.new_empty(batch, heads, 0, dim)
+
+    def _adopt(self, layer) -> None:
+        """From a materialized layer: keep each row's exact tokens and the appended tail, drop the rest."""
+        reason = layer.rope_known()
+        if reason:
+            raise ValueError(f"layer {self.layer_idx} cannot go compact: {reason}")
+        for b, code in enumerate(self.codes):
+            code.exact_keys, code.exact_values = layer.exact_tokens(b)  # advanced indexing: copies
+        self.keys, self.values = self._tail(layer.keys, layer.values, layer.appended, start=layer.prompt_kept)
+
+    @classmethod
+    def from_tensors(cls, template: VarRateLayer, info: dict, tensors: dict, prefix: str, device) -> CompactLayer:
+        """A layer like `template` (same index, bases, config, RoPE) holding what `to_tensors` wrote under
+        `prefix` (checked beforehand by `cache_checks.check_layers`), on `device`."""
+        layer = cls(template.layer_idx, template.bases, template.config, template.rope, template.memo)
+        tail_k = tensors[f"{prefix}.appended_keys"].to(device)
+        tail_v = tensors[f"{prefix}.appended_values"].to(device)
+        layer.lazy_initialization(tail_k, tail_v)
+        layer.prefilled = True
+        layer.prompt_len, layer.prompt_kept, layer.appended = info["prompt_len"], info["prompt_kept"], info["appended"]
+        for b, row in enumerate(info["rows"]):
+            named = {name.removeprefix(f"{prefix}.rows.{b}."): t for name, t in tensors.items()
+                     if name.startswith(f"{prefix}.rows.{b}.")}
+            layer.codes.append(PromptCode.from_tensors(row, named, device))
+            layer.spans.append(tuple(row["span"]) if row["span"] is not None else named["slots"].to(device))
+            layer.offsets.append(row["rope_offset"])
+        layer.keys, layer.values = tail_k, tail_v
+        return layer
+
+    # updates and reads -----------------------------------------------------------------------------------
+    def _append(self, key_states, value_states, coded_read: bool):
+        if not self.codes:
+            return super()._append(key_states, value_states, coded_read)
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        if coded_read:
+            read = CodedRead(self)
+            return read, read
+        return self.read()
+
+    def get_seq_length(self) -> int:
+        if self.codes:
+            return self.prompt_kept + self.appended
+        return super().get_seq_length()
+
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's K/V [B, H, kept + appended, d]: the prompt reconstructed from its codes, then
+        the appended tokens. Padding slots are zeros (the attention mask hides them)."""
+        if not self.codes:
+            return self.keys, self.values
+        batch, heads, tail, dim = self.keys.shape
+        kept = self.prompt_kept
+        shape = (batch, heads, kept + tail, dim)
+        keys, values = self.keys.new_empty(shape), self.values.new_empty(shape)
+        if any(not covers(span, kept) for span in self.spans):
+            keys[:, :, :kept].zero_()
+            values[:, :, :kept].zero_()
+        basis, scales = self.bases.coding_basis(self.layer_idx, self.config.balance, self.keys.device)
+        for b, (code, span) in enumerate(zip(self.codes, self.spans)):
+            cos, sin = self.memo.tables(self.rope, code.seq_len, self.keys.dtype, self.keys.device, self.offsets[b])
+            args = (code, code.exact_keys, code.exact_values, cos, sin, basis)
+            if isinstance(span, tuple) and span[1] <= kept:
+                start, stop = span
+                decode_prompt(*args, scales=scales, projection_dtype=self.config.projection_dtype,
+                              out=(keys[b : b + 1, :, start:stop], values[b : b + 1, :, start:stop]))
+                continue
+            k_hat, v_hat = decode_prompt(*args, scales=scales, projection_dtype=self.config.projection_dtype)
+            slots = slots_of(span, self.keys.device)
+            keep = slots < kept
+            keys[b, :, slots[keep]] = k_hat[0][:, keep]
+            values[b, :, slots[keep]] = v_hat[0][:, keep]
+        keys[:, :, kept:] = self.keys
+        values[:, :, kept:] = self.values
+        return keys, values
+
+    def attends_codes(self, mask) -> bool:
+        """Whether `attend` can read this layer under `mask` (one unpadded, uncropped sequence whose prompt
+        was coded, a mask shared by the heads); else the attention rebuilds K/V with `read`."""
+        if len(self.codes) != 1 or self.codes[0].stored_exactly or not self.codes[0].ranks.numel():
+            return False
+        if self.prompt_kept != self.prompt_len or self.spans[0] != (0, self.prompt_len):
+            return False
+        return mask is None or (mask.dim() == 4 and mask.shape[:2] == (1, 1))
+
+    def attend(self, query: torch.Tensor, mask, scaling: float, softcap: float | None = None) -> torch.Tensor:
+        """Attention of query [1, Hq, Q, d] over this layer, read from the codes (`codec.attend_codes`):
+        [1, Q, Hq, d] in the query's dtype, as transformers' attention functions return it."""
+        code = self.codes[0]
+        device = self.keys.device
+        basis, scales = self.bases.coding_basis(self.layer_idx, self.config.balance, device)
+        turns = self.memo.turns(self.rope, code.seq_len, self.keys.dtype, device, self.offsets[0])
+        out = attend_codes(code, query[0], code.exact_keys[0], code.exact_values[0], self.keys[0], self.values[0],
+                           turns, basis, scaling, scales=scales, mask=None if mask is None else mask[0, 0],
+                           softcap=softcap, mm_dtype=matmul_dtype(self.config.projection_dtype, device))
+        return out.to(query.dtype).transpose(0, 1).unsqueeze(0).contiguous()
+
+    def exact_tokens(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row b's exact tokens [1, H, E, d], held by its code."""
+        return self.codes[b].exact_keys, self.codes[b].exact_values
+
+    def appended_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys, self.values
+
+    # accounting and cache operations ---------------------------------------------------------------------
+    def footprint(self) -> LayerFootprint:
+        if not self.codes:  # never compressed: held exactly, like a DynamicLayer
+            held = tensor_bytes(self.keys, self.values) if self.is_initialized else 0
+            return LayerFootprint(self.layer_idx, "exact", held, held)
+        full, tail, _ = self._full_bytes()
+        held = sum(code.nbytes() for code in self.codes) + tensor_bytes(self.keys, self.values)
+        held += sum(tensor_bytes(span) for span in self.spans if torch.is_tensor(span))
+        return LayerFootprint(self.layer_idx, "varrate", held, full, self.rows_stored_exactly, tail, held)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if not self.codes:
+            super().crop(tokens_to_remove)
+            return
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
+        removed = min(-tokens_to_remove, self.get_seq_length())
+        from_tail = min(removed, self.appended)
+        self.keys, self.values = self._tail(self.keys, self.values, self.appended - from_tail)
+        self.appended -= from_tail
+        self.prompt_kept -= removed - from_tail
+
+    @staticmethod
+    def _tail(keys, values, count: int, start: int = 0):
+        """Copies of `count` token slots of keys / values from `start` (copies: views would pin the rest)."""
+        pick = slice(start, start + count)
+        return keys[..., pick, :].clone(), values[..., pick, :].clone()
