@@ -5,7 +5,7 @@ c = 4 nearest anchors, window = obs_window = 64, SnapKV pooling kernel 5. Each f
 names its group: "paper" (the method), "beyond" (options beyond the paper, all off by default),
 "runtime" (how the cache is held and computed; no effect on what is coded) and "developer"
 (knobs for tests and evaluation, left out of `repr` and of `VarRateConfig.user_fields()`).
-The salience signals are those registered in `hf_varrate.codec.salience`.
+The salience signals are those registered in `hf_varrate.signals`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from .codec.salience import SIGNALS
+from .signals import SIGNALS
 
 GROUPS = ("paper", "beyond", "runtime", "developer")
 ALLOCATIONS = ("waterfill", "topk")
@@ -55,7 +55,7 @@ class VarRateConfig:
             "(SnapKV scores permuted), 'position' (sink + recency shape, no content); beyond the paper, "
             "query-agnostic: 'key_norm' (mean key norm over heads) or 'residual' (norm of the token's residual to "
             "its anchors: rank follows how hard the token is to code). Any signal registered in "
-            "hf_varrate.codec.salience."
+            "hf_varrate.signals."
         },
     )
     allocation: str = field(

@@ -9,7 +9,8 @@ from .pipeline import coef_values, coefficient_budget, compress_prompt, decode_p
 from .projection import RankOrder, decode, decode_blocks, encode, encode_blocks, matmul_dtype, pack, rank_order, unpack
 from .quantization import QuantizedCoefs, dequantize, quantize
 from .rope import rope_tables, rotate_keys, rotate_rows, sample_positions, unrotate_keys, unrotate_rows
-from .salience import SIGNALS, Signal, SignalInputs, attention_scale, coded_salience, minmax, pool_scores, register_signal, snapkv_scores
+from ..signals import SIGNALS, Signal, SignalInputs, coded_salience, register_signal
+from .salience import attention_scale, minmax, pool_scores, snapkv_scores
 
 __all__ = [
     "SIGNALS", "Signal", "SignalInputs", "attention_scale", "matmul_dtype", "register_signal", "tensor_bytes",

@@ -30,7 +30,7 @@ from .projection import (DenseOrder, RankOrder, decode_blocks, decode_dense, den
 from .quantization import SCALE_DTYPE, QuantizedCoefs, dequantize, dequantize_dense, quantize, quantize_dense
 from .reference import decode_reference, encode_reference
 from .rope import rotate_heads
-from .salience import SIGNALS, SignalInputs, coded_salience
+from ..signals import SIGNALS, SignalInputs, coded_salience
 
 if TYPE_CHECKING:  # annotations only: the codec reads a config's fields, it never builds one
     from ..config import VarRateConfig

@@ -1,9 +1,8 @@
-"""Per-token salience (Section 3.2, Eq. 4), the paper's control signals, and the registry of signals.
+"""Per-token salience (Section 3.2, Eq. 4), the paper's control signals, and the signals beyond it.
 
-A signal is one function from `SignalInputs` to the normalised salience s-hat [C] in [0, 1] of the
-coded tokens, registered under its name with `@register_signal(name, ...)`; `VarRateConfig.signal`
-accepts exactly the registered names. Adding a signal is that function, its registry entry (the
-decorator) and its test: nothing else changes.
+Each signal is one function from `SignalInputs` to the normalised salience s-hat [C] in [0, 1] of the
+coded tokens, registered under its name with `@register_signal(name, ...)` (`hf_varrate.signals`).
+Adding a signal is that function, its registry entry (the decorator) and its test: nothing else changes.
 
 Shapes: queries [1, Hq, W, d] (the last W prompt queries, post-RoPE), keys [1, H, S, d] (post-RoPE),
 scores [S], coded [C] long, residuals [C, D]. SnapKV scores are computed in the model's dtype, as
@@ -13,11 +12,11 @@ SnapKV does: the allocation downstream sees the same rounding the reference saw 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from ..signals import SignalInputs, register_signal
 
 
 def snapkv_scores(queries: torch.Tensor, keys: torch.Tensor, scaling: float, pool_kernel: int) -> torch.Tensor:
@@ -66,53 +65,6 @@ def minmax(scores: torch.Tensor) -> torch.Tensor:
     if not bool(torch.isfinite(high - low)):  # the span overflows fp32 (scores near its max): halve (exact for normals)
         s, low, high = s / 2, low / 2, high / 2
     return (s - low) / (high - low)
-
-
-@dataclass(frozen=True)
-class SignalInputs:
-    """What a signal may read. `residuals` [C, D] (each coded token's z_t minus its anchors' mean) exist
-    only for signals registered with `after_anchors=True`, which are scored after the anchor search."""
-
-    queries: torch.Tensor
-    keys: torch.Tensor
-    scaling: float
-    coded: torch.Tensor
-    seq_len: int
-    stride: int
-    window: int
-    pool_kernel: int
-    seed: int
-    residuals: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
-class Signal:
-    """A registered signal: its function and what it needs. `query_aware`: it reads the prefill's window
-    queries (so the cache needs the model bound); `paper`: one of the paper's signals or controls
-    (`implementation='reference'` runs only those)."""
-
-    score: Callable[[SignalInputs], torch.Tensor]
-    query_aware: bool = False
-    after_anchors: bool = False
-    paper: bool = False
-
-
-SIGNALS: dict[str, Signal] = {}
-
-
-def register_signal(name: str, *, query_aware: bool = False, after_anchors: bool = False, paper: bool = False):
-    """Decorator: register `fn(inputs: SignalInputs) -> s_hat [C] in [0, 1]` as signal `name`."""
-    def register(fn):
-        SIGNALS[name] = Signal(fn, query_aware, after_anchors, paper)
-        return fn
-    return register
-
-
-def coded_salience(signal: str, inputs: SignalInputs) -> torch.Tensor:
-    """[C] normalised salience s-hat over the coded tokens for the named signal (empty when nothing is coded)."""
-    if inputs.coded.numel() == 0:
-        return torch.zeros(0, device=inputs.coded.device)
-    return SIGNALS[signal].score(inputs)
 
 
 def _generator(seed: int) -> torch.Generator:
