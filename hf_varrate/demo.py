@@ -17,7 +17,10 @@ from pathlib import Path
 
 import torch
 
+from .attention import ATTENTION
+from .cache import VarRateCache
 from .config import PRESETS
+from .models import load_default_model
 
 # (fact planted in the document, question, expected answer, start of the answer). The answer's start
 # is given so a 135M model answers in kind; every fact is answered correctly by the uncompressed model.
@@ -97,8 +100,6 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     from transformers import DynamicCache
 
-    from . import ATTENTION, VarRateCache
-    from .models import load_default_model
 
     torch.set_num_threads(args.threads)
     print(f"[1/4] loading {args.model} ...", flush=True)

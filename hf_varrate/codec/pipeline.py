@@ -45,7 +45,7 @@ def coefficient_budget(config: VarRateConfig, seq_len: int, n_exact: int, n_code
     A coefficient costs `kv_bytes`, except with `coef_bits` and `quantized_budget="same_bytes"`:
     then it costs bits/8 plus its share of its group's fp16 min and step, and each token is charged
     one more (partial) group up front, so the realised bytes never exceed the budget. With
-    `"same_ranks"` the ranks are those of `kv_bytes` coefficients, less `_same_ranks_overshoot` (zero
+    `"same_ranks"` the ranks are those of `kv_bytes` coefficients, less `same_ranks_overshoot` (zero
     unless ranks as small as 1-3 are allowed); `rank` is the rank cap (default: `width`)."""
     spare = config.budget * seq_len * width * kv_bytes - n_exact * width * kv_bytes - n_coded * meta_bytes
     per_coef = kv_bytes
@@ -54,11 +54,11 @@ def coefficient_budget(config: VarRateConfig, seq_len: int, n_exact: int, n_code
         spare -= n_coded * group_bytes + config.coef_bits  # partial groups, bit-packing pad
         per_coef = config.coef_bits / 8 + group_bytes / config.coef_group
     elif config.coef_bits is not None:
-        spare -= _same_ranks_overshoot(config, n_coded, kv_bytes, group_bytes, rank or width)
+        spare -= same_ranks_overshoot(config, n_coded, kv_bytes, group_bytes, rank or width)
     return math.floor(spare / per_coef)  # < 0: the exact set and side information alone exceed the budget
 
 
-def _same_ranks_overshoot(config: VarRateConfig, n_coded: int, kv_bytes: int, group_bytes: int, rank: int) -> float:
+def same_ranks_overshoot(config: VarRateConfig, n_coded: int, kv_bytes: int, group_bytes: int, rank: int) -> float:
     """The most bytes `n_coded` tokens' quantized coefficients can take beyond the same ranks at `kv_bytes`.
 
     A token of rank r costs r * bits/8 plus ceil(r / group) groups' min and step, against r * kv_bytes:
