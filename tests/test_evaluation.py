@@ -256,13 +256,13 @@ def test_kvzips_temporary_tokenizer_folder_is_removed_when_the_process_exits():
     import sys
 
     script = (
-        "from evaluation.methods.kvpress_methods import _saved_tokenizer\n"
+        "from evaluation.methods.kvpress_methods import saved_tokenizer\n"
         "class Tokenizer:\n"
         "    def save_pretrained(self, folder):\n"
         "        open(folder + '/tokenizer.json', 'w').write('{}')\n"
         "tokenizer = Tokenizer()\n"
-        "folder = _saved_tokenizer(tokenizer)\n"
-        "assert _saved_tokenizer(tokenizer) == folder\n"
+        "folder = saved_tokenizer(tokenizer)\n"
+        "assert saved_tokenizer(tokenizer) == folder\n"
         "print(folder)\n"
     )
     repo = Path(__file__).resolve().parents[1]
@@ -469,14 +469,14 @@ def test_kvzip_replay_masks_equal_live(smollm2):
 @needs_kvpress
 def test_kvzip_at_a_second_budget_reuses_the_scores_and_masks_as_a_fresh_run(smollm2):
     from evaluation.methods import make_method
-    from evaluation.methods.kvpress_methods import _KVZIP_SCORES
+    from evaluation.methods.kvpress_methods import KVZIP_SCORES
 
     model, tokenizer = smollm2
     ids = _prompt(tokenizer, 300)
     spec = {"kind": "kvpress", "press": "KVzipPress", "pin_last": 64}
-    _KVZIP_SCORES.clear()
+    KVZIP_SCORES.clear()
     fresh = make_method("z", {**spec, "budget": 0.5}).compress(_context(model, tokenizer, ids))
-    _KVZIP_SCORES.clear()
+    KVZIP_SCORES.clear()
     first = make_method("z", {**spec, "budget": 0.7}).compress(_context(model, tokenizer, ids))
     ctx = _context(model, tokenizer, ids)  # its capture is a prefill: before the hook that counts passes
     passes = []

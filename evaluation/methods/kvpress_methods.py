@@ -88,14 +88,14 @@ class KVPressMethod:
         cache = dynamic_from_capture(ctx.model, ctx.captured)
         if self.press_name == "KVzipPress":
             key = (id(ctx.model), tuple(ctx.ids))
-            reused = _KVZIP_SCORES.get(key)  # (scores, CPU seconds) of this prompt's scoring at another budget
+            reused = KVZIP_SCORES.get(key)  # (scores, CPU seconds) of this prompt's scoring at another budget
             press.saved_scores = None if reused is None else reused[0]
             masks = replay_kvzip(press, ctx, cache)
             seconds = clock() - start
             if reused is None:
-                _KVZIP_SCORES.clear()  # one prompt at a time: the runner finishes an example before the next
+                KVZIP_SCORES.clear()  # one prompt at a time: the runner finishes an example before the next
                 if press.scores_seen is not None:  # None: budget 1.0, nothing was scored
-                    _KVZIP_SCORES[key] = (press.scores_seen, seconds)
+                    KVZIP_SCORES[key] = (press.scores_seen, seconds)
             else:
                 seconds += reused[1]
             return Compressed(cache, seconds, masks=masks, extra={"kvzip_scores_reused": reused is not None})
@@ -103,7 +103,7 @@ class KVPressMethod:
         return Compressed(cache, clock() - start)
 
 
-_KVZIP_SCORES: dict = {}  # (id(model), prompt ids) -> (KVzip's scores, CPU seconds of the run that computed them)
+KVZIP_SCORES: dict = {}  # (id(model), prompt ids) -> (KVzip's scores, CPU seconds of the run that computed them)
 
 
 def replay_press(press, ctx: Context, cache):
@@ -166,7 +166,8 @@ _TOKENIZER_FOLDERS: list[tempfile.TemporaryDirectory] = []  # removed when the p
 
 
 @functools.lru_cache(maxsize=4)
-def _saved_tokenizer(tokenizer) -> str:
+def saved_tokenizer(tokenizer) -> str:
+    """A temporary folder holding `tokenizer` (one per tokenizer; removed when the process exits)."""
     folder = tempfile.TemporaryDirectory(prefix="evaluation-tokenizer-")
     _TOKENIZER_FOLDERS.append(folder)
     tokenizer.save_pretrained(folder.name)
@@ -178,7 +179,7 @@ def local_name_or_path(model, tokenizer):
     """KVzip reloads the tokenizer from model.config.name_or_path; our models are named by their Hub id
     (offline here), so point it at a local copy of the same tokenizer while it runs."""
     original = model.config._name_or_path
-    model.config._name_or_path = _saved_tokenizer(tokenizer)
+    model.config._name_or_path = saved_tokenizer(tokenizer)
     try:
         yield
     finally:
