@@ -27,10 +27,13 @@ import json, statistics, sys, torch
 sys.path.insert(0, {bench!r})
 torch.set_num_threads({threads})
 import common, hf_varrate
-from hf_varrate import VarRateCache, binding
+from hf_varrate import Bases, VarRateCache, binding
 hook = getattr(binding, "prefill_hook", None) or binding._capture_prefill  # the hook's name before it was public
 model, tok = common.load({model!r})
-bases, _ = common.bases_for({model!r}, model)
+try:
+    bases, bases_name = common.bases_for({model!r}, model)
+except ValueError:  # an earlier version cannot read today's shipped bases (spectrum tensors); same rank R = D
+    bases, bases_name = Bases.identity(model.config), "identity"
 ids = common.document_ids(tok, {length})
 captured, plain = common.capture_prefill(model, ids)
 def make():
@@ -40,7 +43,7 @@ def make():
         return VarRateCache(bases, model_config=model.config)
 codec = [common.replay_into(make(), model, captured, hook=hook) for _ in range({replays})]
 _, plain2 = common.capture_prefill(model, ids)
-print(json.dumps({{"package": hf_varrate.__file__, "plain": [plain, plain2], "codec": codec}}))
+print(json.dumps({{"package": hf_varrate.__file__, "bases": bases_name, "plain": [plain, plain2], "codec": codec}}))
 """
 
 
@@ -50,7 +53,9 @@ def run(version_path: str | None, args) -> dict:
         env["PYTHONPATH"] = version_path + os.pathsep + env.get("PYTHONPATH", "")
     code = CHILD.format(bench=str(common.REPO / "benchmarks"), threads=args.threads, model=args.model,
                         length=args.length, replays=args.replays)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"the {'earlier' if version_path else 'current'} version's process failed:\n{out.stderr}")
     result = json.loads(out.stdout.strip().splitlines()[-1])
     result["overhead"] = statistics.median(result["codec"]) / statistics.median(result["plain"])
     return result
@@ -91,7 +96,8 @@ def main(argv=None):
           + common.table(["version", "commit", "plain prefill s (median)", "codec s (median)",
                           "overhead per process"], rows)
           + f"\n\nVersions alternate in fresh processes ({args.rounds} rounds x {args.replays} replays); load average "
-          f"at start {tuple(round(x, 1) for x in env['load_average'])}.\n"
+          f"at start {tuple(round(x, 1) for x in env['load_average'])}; bases: before "
+          f"{runs['before'][0].get('bases')}, after {runs['after'][0].get('bases')}.\n"
           f"Command: python benchmarks/bench_versions.py {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip()
           + "\n")
     common.write_results(args.out, {"env": env, "args": vars(args), "runs": runs}, md)
