@@ -29,6 +29,10 @@ class RotaryFrequencies:
         return self.tables_at(torch.arange(length, device=device), dtype)
 
     def tables_at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [1, n, d] at `positions` [n]; for `positions` [B, n] (one row per sequence), [B, n, d]."""
+        if positions.dim() == 2:
+            tables = [rope_tables(row, self.inv_freq, self.scaling, dtype) for row in positions]
+            return torch.cat([c for c, _ in tables]), torch.cat([s for _, s in tables])
         return rope_tables(positions, self.inv_freq, self.scaling, dtype)
 
     def offset_of(self, cos: torch.Tensor, sin: torch.Tensor, candidates=(0,)) -> int | None:
@@ -40,6 +44,18 @@ class RotaryFrequencies:
             if torch.equal(mine_cos, cos[:, picks]) and torch.equal(mine_sin, sin[:, picks]):
                 return offset
         return None
+
+    def to_metadata(self) -> dict:
+        """JSON-able form for a bases artifact's config.json (fp32 values round-trip exactly through JSON)."""
+        return {"inv_freq": [float(x) for x in self.inv_freq.tolist()], "attention_scaling": self.scaling}
+
+    @classmethod
+    def from_metadata(cls, data: dict) -> RotaryFrequencies:
+        return cls(torch.tensor(data["inv_freq"], dtype=torch.float32), float(data["attention_scaling"]))
+
+    def same_as(self, other: RotaryFrequencies) -> bool:
+        """Bit-equal frequencies and scaling: the same tables at every position."""
+        return self.scaling == other.scaling and torch.equal(self.inv_freq.cpu(), other.inv_freq.cpu())
 
     @classmethod
     def from_model(cls, model, layer_type: str = "full_attention") -> RotaryFrequencies | None:

@@ -15,7 +15,7 @@ import warnings
 import torch
 
 from ..architecture import describe
-from ..bases import Bases
+from ..bases import Bases, layout_metadata
 from ..config import VarRateConfig
 from .collect import ResidualSettings, run_contexts
 from .pca import SecondMoments
@@ -52,7 +52,8 @@ def calibrate(model, contexts: list[torch.Tensor], *, rank: int | None = None, c
         "calibration": "custom", "num_contexts": len(contexts), "context_length": int(contexts[0].numel()),
         "num_samples": samples, "calibration_seconds": round(seconds, 2),
         "calibration_machine": machine_description(next(model.parameters()).device),
-        "stride": config.stride, "window": config.window, "n_anchors": config.n_anchors, **metadata,
+        "stride": config.stride, "window": config.window, "n_anchors": config.n_anchors,
+        **layout_metadata(model), **metadata,  # the layout and RoPE a cache built without the model reads
     }
     return Bases.from_tensors(bases, model.config, spectra=singular, **meta)
 
