@@ -7,12 +7,20 @@ counts, ranks vs coefficients, anchor indices, spans and RoPE positions, layer l
 batch, tokens and dtype in every layer). Each failure is a `CacheFileError` naming the field or tensor,
 what it holds, what was expected and the fix.
 
-The file names and the format version are defined here, so that `hf_varrate.serialization` (which
-writes and reads the files) imports this module and not the other way round.
+The file names, the format version and the JSON's own fingerprint (`seal`, `check_seal`) are defined
+here, so that `hf_varrate.serialization` (which writes and reads the files) imports this module and not
+the other way round.
+
+Format 2 adds `config_sha256` to `cache_config.json`: the sha256 of the file's canonical JSON without
+that field (`config_digest`: keys sorted, no spaces). With `sha256` (the tensor file's, inside the
+body) it covers everything a save holds, so a hand edit of a setting is refused, not silently obeyed.
+Format 1 (no `config_sha256`) is still read, with a warning that its settings are not covered.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +33,9 @@ from .errors import CacheFileError
 
 TENSORS_NAME = "cache.safetensors"
 CONFIG_NAME = "cache_config.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: cache_config.json carries config_sha256; 1 is still read
+READABLE_VERSIONS = (1, 2)
+SEAL_FIELD = "config_sha256"
 LAYER_KINDS = ("empty", "sliding", "exact", "varrate")
 FLOAT_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float16, torch.bfloat16, torch.float32,
                                                              torch.float64)}
@@ -41,9 +51,10 @@ def check_meta(meta, path: Path) -> None:
     required = ("format_version", "config", "model", "bases", "layers", "sha256", "tensor_file")
     if not isinstance(meta, dict) or any(key not in meta for key in required):
         raise CacheFileError(f"{path} misses fields of a saved cache (needs {list(required)}); save the cache again")
-    if type(meta["format_version"]) is not int or meta["format_version"] != FORMAT_VERSION:
+    if type(meta["format_version"]) is not int or meta["format_version"] not in READABLE_VERSIONS:
         raise CacheFileError(f"{path} has format_version {meta['format_version']!r}; this hf_varrate reads "
-                             f"{FORMAT_VERSION} (pip install -U hf_varrate, or save the cache again)")
+                             f"{list(READABLE_VERSIONS)} (pip install -U hf_varrate, or save the cache again)")
+    check_seal(meta, path)
     if meta["tensor_file"] != TENSORS_NAME:
         raise CacheFileError(f"{path} names tensor file {meta['tensor_file']!r}, expected {TENSORS_NAME!r}")
     for field, kind in (("config", dict), ("model", dict), ("bases", dict), ("layers", list), ("sha256", str)):
@@ -58,8 +69,34 @@ def check_meta(meta, path: Path) -> None:
                 f"an object whose kind is one of {list(LAYER_KINDS)}")
 
 
-def check_model(meta: dict, model, folder: Path) -> None:
-    """The model's shape (layers, kv heads, head dim, compressed layers) is the one the cache was saved for."""
+def config_digest(meta: dict) -> str:
+    """sha256 of a saved cache's JSON body without its `config_sha256`: sorted keys, no spaces."""
+    body = {key: value for key, value in meta.items() if key != SEAL_FIELD}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def seal(meta: dict) -> dict:
+    """`meta` with its `config_sha256` (re)computed: what `save_cache` writes."""
+    return {**meta, SEAL_FIELD: config_digest(meta)}
+
+
+def check_seal(meta: dict, path: Path) -> None:
+    """A format-2 file's JSON is the one its writer fingerprinted (format 1 has no fingerprint to check)."""
+    if meta["format_version"] < 2:
+        return
+    recorded = meta.get(SEAL_FIELD)
+    if not isinstance(recorded, str) or recorded != config_digest(meta):
+        what = "records no config_sha256" if not isinstance(recorded, str) else "does not match its config_sha256"
+        raise CacheFileError(f"{path} {what} (the file was edited or damaged after it was saved); its settings "
+                             f"(budget, balance ...) are fixed when a cache is coded and cannot be changed by "
+                             f"editing the file: load the cache as saved (runtime settings such as storage= are "
+                             f"arguments of VarRateCache.load), or code the prompt again with the settings you want")
+
+
+def check_model(meta: dict, model, folder: Path) -> list[str]:
+    """The model's shape (layers, kv heads, head dim, compressed layers) is the one the cache was saved for.
+    Returns warnings: another model id with the same shape loads (the same weights may have another
+    name, e.g. a local folder), but its keys and values are the other model's."""
     shape, saved = describe(model.config), meta["model"]
     mine = {"num_layers": shape.num_layers, "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim,
             "compressed_layers": list(shape.compressed_layers)}
@@ -69,6 +106,12 @@ def check_model(meta: dict, model, folder: Path) -> None:
                                  f"{value!r} in this one ({saved.get('model_id')!r} vs {shape.model_id!r})")
     if len(meta["layers"]) != shape.num_layers:
         raise CacheFileError(f"{folder} has {len(meta['layers'])} layers, the model {shape.num_layers}")
+    theirs = saved.get("model_id")
+    if isinstance(theirs, str) and theirs and shape.model_id and theirs != shape.model_id:
+        return [f"{folder} was saved from model {theirs!r} but is loaded into {shape.model_id!r}; the shapes match, "
+                f"so it loads, but its keys and values are those {theirs!r} computed: the answers are right only "
+                f"if both names are the same weights. Load it with the model it was saved from"]
+    return []
 
 
 def check_rope(cache, tensors: dict, meta: dict, folder: Path) -> None:

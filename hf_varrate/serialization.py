@@ -6,18 +6,25 @@ A saved cache is a directory of two plain files:
   their quantized `codes` / `mins` / `steps`) and the exact tokens; the tokens appended after the
   prefill; the sliding layers' K/V; the RoPE `inv_freq` the keys were rotated with.
 - `cache_config.json`: sorted keys: format version, library version, the `VarRateConfig`, the
-  model's shape, where the bases came from and a sha256 fingerprint of them, per-layer bookkeeping,
-  and the sha256 of the tensor file, checked before it is read.
+  model's shape and id, where the bases came from and a sha256 fingerprint of them, per-layer
+  bookkeeping, the sha256 of the tensor file, and `config_sha256`, the sha256 of the JSON itself
+  (`cache_checks.seal`): both are checked before anything is read, so neither file can be edited.
+
+A save replaces the directory as a whole (`files.replacing_folder`): both files are written into a
+temporary folder beside it, which then takes its place in one step. A failed or killed save leaves
+the previous save as it was; a save never mixes the files of two.
 
 Only safetensors and JSON are read: no pickle, no `torch.load`. Whatever is wrong with a saved cache
 (missing, corrupt, another model, other bases, or fields and tensors that disagree: every one is checked
-before anything is built) raises `CacheFileError` saying what and how to fix it.
+before anything is built) raises `CacheFileError` saying what and how to fix it. What was fixed when the
+prompt was coded (budget, balance, stride ...) is fixed for good: `load` takes only the runtime
+settings (`VarRateConfig.runtime_fields()`: storage, projection_dtype).
 A cache saved in either storage mode holds codes only, so it is as small as the footprint says.
 
-This module owns the files: writing and reading them (atomically, sha256-checked). What a layer or a
-code holds in them is the layer's and the code's business (`to_tensors` / `from_tensors`), so the
-saved-cache format changes in one place; the checks of the parsed contents live in
-`hf_varrate.cache_checks`, with the file names and the format version.
+This module owns the files: writing and reading them. What a layer or a code holds in them is the
+layer's and the code's business (`to_tensors` / `from_tensors`), so the saved-cache format changes in
+one place; the checks of the parsed contents live in `hf_varrate.cache_checks`, with the file names and
+the format version.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -35,10 +42,20 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from .bases import Bases
 from .binding import bind
-from .cache_checks import CONFIG_NAME, FORMAT_VERSION, TENSORS_NAME, check_layers, check_meta, check_model, check_rope
+from .cache_checks import (
+    CONFIG_NAME,
+    FLOAT_DTYPES,
+    FORMAT_VERSION,
+    TENSORS_NAME,
+    check_layers,
+    check_meta,
+    check_model,
+    check_rope,
+    seal,
+)
 from .config import VarRateConfig
-from .errors import BasesError, CacheFileError
-from .files import sha256_file, write_atomic
+from .errors import BasesError, CacheFileError, VarRateWarning
+from .files import interrupted_save, replacing_folder, sha256_file
 from .layers import LAYER_CLASSES, CompactLayer, VarRateLayer
 from .version import __version__
 
@@ -62,35 +79,44 @@ def bases_fingerprint(bases: Bases) -> str:
 
 # saving ------------------------------------------------------------------------------------------------
 def save_cache(cache, directory: str | os.PathLike) -> None:
-    """Write `cache` (a VarRateCache after its prefill) to `directory` (created if needed)."""
+    """Write `cache` (a VarRateCache after its prefill) to `directory` (created if needed), replacing a
+    previous save there as a whole. On any error nothing at `directory` has changed."""
     tensors, layers = {}, []
     for i, layer in enumerate(cache.layers):
         layers.append(_save_layer(i, layer, tensors))
     if cache.rope is not None:
         tensors["rope.inv_freq"] = cache.rope.inv_freq
     tensors = {name: t.detach().contiguous().cpu().clone() for name, t in tensors.items()}
-    folder = Path(directory)
-    folder.mkdir(parents=True, exist_ok=True)
-    tensor_path = folder / TENSORS_NAME
-    with tempfile.NamedTemporaryFile(dir=folder, suffix=".tmp", delete=False) as tmp:
-        tmp_name = tmp.name
-    save_file(tensors, tmp_name, metadata={"format": "pt", "library": "hf_varrate"})
-    digest = sha256_file(Path(tmp_name))
-    os.replace(tmp_name, tensor_path)
+    with replacing_folder(directory, (TENSORS_NAME, CONFIG_NAME), "VarRate cache") as folder:
+        _write_tensors(tensors, folder / TENSORS_NAME, Path(directory))
+        meta = _metadata(cache, layers, sha256_file(folder / TENSORS_NAME))
+        with open(folder / CONFIG_NAME, "xb") as handle:
+            handle.write(json.dumps(seal(meta), indent=1, sort_keys=True).encode())
+
+
+def _write_tensors(tensors: dict, path: Path, target: Path) -> None:
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt", "library": "hf_varrate"})
+    except SafetensorError as err:  # safetensors reports a full disk or an I/O error as its own type
+        raise OSError(f"could not write the cache's tensors for {target}: {err}; nothing there was changed "
+                      f"(free some space, or save elsewhere)") from err
+
+
+def _metadata(cache, layers: list, tensors_sha256: str) -> dict:
     shape = cache.model_shape
-    meta = {
+    return {
         "format_version": FORMAT_VERSION,
         "library_version": __version__,
         "config": cache.config.to_dict(),
         "model": {"model_id": shape.model_id, "num_layers": shape.num_layers, "num_kv_heads": shape.num_kv_heads,
                   "head_dim": shape.head_dim, "compressed_layers": list(shape.compressed_layers)},
-        "bases": {"source": _bases_source(cache), "sha256": bases_fingerprint(cache.bases)},
+        "bases": {"source": _bases_source(cache), "sha256": bases_fingerprint(cache.bases),
+                  "dtype": _bases_dtype(cache.bases)},
         "rope_scaling": None if cache.rope is None else cache.rope.scaling,
         "layers": layers,
         "tensor_file": TENSORS_NAME,
-        "sha256": digest,
+        "sha256": tensors_sha256,
     }
-    write_atomic(folder / CONFIG_NAME, json.dumps(meta, indent=1, sort_keys=True).encode())
 
 
 def _save_layer(i: int, layer, tensors: dict) -> dict:
@@ -108,28 +134,26 @@ def _save_layer(i: int, layer, tensors: dict) -> dict:
 
 # loading -----------------------------------------------------------------------------------------------
 def load_cache(cls, directory: str | os.PathLike, model, *, bases: Bases | None = None, device=None,
-               **config_overrides):
+               **runtime):
     """Rebuild a saved cache for `model` (see `VarRateCache.load`). Every field and tensor is checked
-    (`check_layers`) before anything is built, so a bad file is refused with `CacheFileError`."""
+    (`check_layers`) before anything is built, so a bad file is refused with `CacheFileError`; `runtime`
+    may set only the runtime settings (storage, projection_dtype)."""
     if model is None:
         raise CacheFileError("model= is required: VarRateCache.load(directory, model=model)")
     folder = Path(directory)
     meta = read_config(folder)
+    config = _saved_config(meta, runtime, folder)
     tensors = read_tensors(folder, meta)
-    check_model(meta, model, folder)
+    for note in check_model(meta, model, folder):
+        warnings.warn(note, VarRateWarning, stacklevel=3)
     bases = bases if bases is not None else _load_bases(meta, model)
     if bases_fingerprint(bases) != meta["bases"]["sha256"]:
         raise CacheFileError(f"{folder} was coded with other bases than the ones given (sha256 differs); pass the "
                              f"bases it was saved with: VarRateCache.load(dir, model=model, bases=...)")
-    try:
-        config = VarRateConfig.from_dict(meta["config"], **config_overrides)
-    except (TypeError, ValueError) as err:
-        raise CacheFileError(f"{folder / CONFIG_NAME} has an invalid config: {err}") from err
     try:  # the cache's own checks of the config against the bases and the model (r_min above the rank cap ...)
         cache = cls(bases, config, model_config=model.config, model=model)
     except ValueError as err:
-        given = f" with {config_overrides}" if config_overrides else ""
-        raise CacheFileError(f"the config in {folder / CONFIG_NAME}{given} does not fit this model and its bases: "
+        raise CacheFileError(f"the config in {folder / CONFIG_NAME} does not fit this model and its bases: "
                              f"{err}") from err
     cache.bases_source = meta["bases"].get("source")
     check_rope(cache, tensors, meta, folder)
@@ -141,8 +165,29 @@ def load_cache(cls, directory: str | os.PathLike, model, *, bases: Bases | None 
     return cache
 
 
+def _saved_config(meta: dict, runtime: dict, folder: Path) -> VarRateConfig:
+    """The config the prompt was coded with, with the runtime settings in `runtime` applied. A coding-time
+    setting is refused (unless it repeats the saved value): the codes were made with the saved one."""
+    allowed = VarRateConfig.runtime_fields()
+    fixed = {k: v for k, v in runtime.items() if k not in allowed and meta["config"].get(k, object()) != v}
+    if fixed:
+        name = next(iter(fixed))
+        VarRateConfig.check_keys([name])  # a misspelt name: TypeError with the closest field
+        raise ValueError(f"{name}={fixed[name]!r}: {name} is fixed when the prompt is coded (this cache was coded "
+                         f"with {name}={meta['config'].get(name)!r}), so VarRateCache.load cannot change it; it "
+                         f"takes only the runtime settings {list(allowed)}. To use {name}={fixed[name]!r}, code "
+                         f"the prompt again")
+    try:
+        return VarRateConfig.from_dict(meta["config"], **runtime)
+    except (TypeError, ValueError) as err:
+        raise CacheFileError(f"{folder / CONFIG_NAME} has an invalid config: {err}") from err
+
+
 def read_config(folder: Path) -> dict:
     path = folder / CONFIG_NAME
+    if not folder.exists() and interrupted_save(folder) is not None:
+        raise CacheFileError(f"{folder} is missing: a save into it was killed mid-swap and left the previous save at "
+                             f"{interrupted_save(folder)}; rename that folder back to {folder.name}")
     if not path.is_file():
         raise CacheFileError(f"{folder} is not a saved VarRate cache: {CONFIG_NAME} is missing (write one with "
                              f"cache.save_pretrained(dir))")
@@ -153,6 +198,10 @@ def read_config(folder: Path) -> dict:
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise CacheFileError(f"{path} is not valid JSON ({err}); save the cache again") from err
     check_meta(meta, path)
+    if meta["format_version"] < 2:
+        warnings.warn(f"{path} was saved by an older hf_varrate (format {meta['format_version']}), whose settings "
+                      f"are not covered by a checksum; it loads as is. Save it again (cache.save_pretrained(dir)) "
+                      f"to add one", VarRateWarning, stacklevel=4)
     return meta
 
 
@@ -172,7 +221,11 @@ def read_tensors(folder: Path, meta: dict) -> dict[str, torch.Tensor]:
 def _load_bases(meta: dict, model) -> Bases:
     source = meta["bases"].get("source")
     if source == "identity":
-        return Bases.identity(model.config)
+        dtype = FLOAT_DTYPES.get(meta["bases"].get("dtype") or "float32")
+        if dtype is None:
+            raise CacheFileError(f"bases.dtype is {meta['bases'].get('dtype')!r}, expected one of "
+                                 f"{sorted(FLOAT_DTYPES)}; save the cache again")
+        return Bases.identity(model.config, dtype=dtype)
     if not source:
         raise CacheFileError("the saved cache does not say where its bases came from; pass them: "
                              "VarRateCache.load(dir, model=model, bases=Bases.from_pretrained(...))")
@@ -215,3 +268,9 @@ def _source_of(bases: Bases) -> str | None:
     if bases.metadata.get("calibration") == "identity":
         return "identity"
     return bases.metadata.get("bases_ref") or bases.metadata.get("source")
+
+
+def _bases_dtype(bases: Bases) -> str:
+    """The dtype the bases are held in: identity bases are rebuilt in it at load (fp16 and fp32 identities
+    fingerprint differently)."""
+    return str(next(iter(bases.tensors.values())).dtype).removeprefix("torch.")

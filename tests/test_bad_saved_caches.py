@@ -20,6 +20,7 @@ from transformers import LlamaConfig
 
 import hf_varrate
 from hf_varrate import Bases, VarRateCache
+from hf_varrate.cache_checks import seal
 
 from conftest import TINY_SHAPE
 
@@ -66,8 +67,10 @@ def saved_caches(tmp_path_factory):
 
 
 def write_variant(folder, tensor_blob, meta):
+    """Write a variant, its JSON resealed (config_sha256 recomputed, as a writer's bug would): so the damage
+    meets the checks behind the seal, not just the seal (tests/test_robustness.py checks the seal)."""
     (folder / serialization.TENSORS_NAME).write_bytes(tensor_blob)
-    (folder / serialization.CONFIG_NAME).write_text(json.dumps(meta))
+    (folder / serialization.CONFIG_NAME).write_text(json.dumps(seal(meta) if isinstance(meta, dict) else meta))
 
 
 def load_and_use(model, folder, storage):
@@ -250,7 +253,8 @@ def test_a_saved_cache_in_another_dtype_than_the_model_names_both_and_the_fix(sa
 @FUZZ
 @given(data=st.data(), storage=st.sampled_from(["materialized", "compact"]))
 def test_fuzz_saved_cache_config_fields_give_our_error_only(saved_caches, tmp_path_factory, data, storage):
-    """Any field of cache_config.json (the checksum covers the tensor file, not this) set to any JSON value."""
+    """Any field of cache_config.json set to any JSON value (and the JSON resealed, so the fields' own checks
+    meet it)."""
     model, folders = saved_caches
     blob = (folders[storage] / serialization.TENSORS_NAME).read_bytes()
     meta = json.loads((folders[storage] / serialization.CONFIG_NAME).read_text())
