@@ -6,11 +6,17 @@ names its group: "paper" (the method), "beyond" (options beyond the paper, all o
 "runtime" (how the cache is held and computed; no effect on what is coded) and "developer"
 (knobs for tests and evaluation, left out of `repr` and of `VarRateConfig.user_fields()`).
 The salience signals are those registered in `hf_varrate.signals`.
+
+A config is checked once, when it is built, and is immutable afterwards (assigning a field raises;
+`config.replace(field=value)` builds a checked copy). Numbers may be numpy or other numeric scalars:
+they are stored as Python ints and floats. A misspelt keyword is a `TypeError` naming the closest field.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import numbers
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +34,7 @@ BUDGET_DTYPES = (None, "float16", "bfloat16", "float32")
 LAYER_BUDGETS = ("uniform", "spectrum")
 PROJECTION_DTYPES = ("float32", "bfloat16", "auto")
 PRESETS = ("paper", "recommended")
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.manual_seed takes
 
 
 @dataclass
@@ -140,7 +147,23 @@ class VarRateConfig:
                   "the most relative error (needs bases with a spectrum)."},
     )
 
+    def __new__(cls, *args, **kwargs):
+        cls.check_keys(kwargs)  # before the dataclass __init__'s bare "unexpected keyword argument"
+        return super().__new__(cls)
+
+    def __setattr__(self, name, value):
+        if self.__dict__.get("_checked"):
+            raise dataclasses.FrozenInstanceError(
+                f"a VarRateConfig is immutable once checked; use config.replace({name}={value!r}), which returns a "
+                f"checked copy")
+        object.__setattr__(self, name, value)
+
     def __post_init__(self):
+        _to_python_numbers(self)
+        self._check()
+        object.__setattr__(self, "_checked", True)
+
+    def _check(self):
         _check_range("budget", self.budget, 0.0, 1.0, low_open=True, fix="use e.g. budget=0.2 (keep 20%)")
         _check_int("r_min", self.r_min, 0)
         if self.rank is not None:
@@ -158,6 +181,10 @@ class VarRateConfig:
         if self.pool_kernel % 2 == 0:
             raise ValueError(f"pool_kernel must be odd, got {self.pool_kernel}; use e.g. 5")
         _check_int("distance_chunk", self.distance_chunk, 1)
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or \
+                not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise ValueError(f"seed must be an integer that torch.manual_seed takes (-2**63 to 2**64 - 1), got "
+                             f"{self.seed!r}; use e.g. seed=0 (the default)")
         _check_choice("signal", self.signal, tuple(SIGNALS))
         _check_choice("allocation", self.allocation, ALLOCATIONS)
         _check_choice("storage", self.storage, STORAGES)
@@ -195,6 +222,33 @@ class VarRateConfig:
         return cls(**{**base, **overrides})
 
     @classmethod
+    def coerce(cls, config) -> VarRateConfig:
+        """`config` as a VarRateConfig: None gives the defaults, a dict goes through `from_dict`."""
+        if config is None:
+            return cls()
+        if isinstance(config, dict):
+            return cls.from_dict(config)
+        if not isinstance(config, cls):
+            raise TypeError(f"config must be a VarRateConfig, a dict of its fields or None, got "
+                            f"{type(config).__name__}; e.g. VarRateConfig.preset('recommended', budget=0.2)")
+        return config
+
+    @classmethod
+    def check_keys(cls, names) -> None:
+        """TypeError for a name that is no field, suggesting the closest one."""
+        known = [f.name for f in dataclasses.fields(cls)]
+        for name in names:
+            if name not in known:
+                raise TypeError(f"VarRateConfig has no field {name!r}{_suggestion(name, known)}; its fields are "
+                                f"{known}")
+
+    @classmethod
+    def runtime_fields(cls) -> list[str]:
+        """The fields that change how a cache is held or computed, never what was coded: the only ones a saved
+        cache may be loaded with (`VarRateCache.load(dir, model=m, storage='compact')`)."""
+        return [f.name for f in dataclasses.fields(cls) if f.metadata.get("group") == "runtime"]
+
+    @classmethod
     def user_fields(cls) -> list[str]:
         """The fields a user sets (every group but "developer"), in declaration order."""
         return [f.name for f in dataclasses.fields(cls) if f.metadata.get("group") != "developer"]
@@ -209,14 +263,17 @@ class VarRateConfig:
         merged = {**data, **overrides}
         unknown = sorted(set(merged) - known)
         if unknown:
+            hints = "".join(_suggestion(name, known) for name in unknown)
             warnings.warn(
                 f"VarRateConfig ignores unknown keys {unknown}; they may come from a newer hf_varrate "
-                f"(pip install -U hf_varrate) or be misspelt (known keys: {sorted(known)})",
+                f"(pip install -U hf_varrate) or be misspelt{hints} (known keys: {sorted(known)})",
                 stacklevel=2,
             )
         return cls(**{k: v for k, v in merged.items() if k in known})
 
     def replace(self, **changes) -> VarRateConfig:
+        """A checked copy with `changes` applied."""
+        self.check_keys(changes)
         return dataclasses.replace(self, **changes)
 
 
@@ -227,6 +284,33 @@ class VarRateConfig:
 # same to three decimals (benchmarks/presets).
 RECOMMENDED_PRESET = {"coef_bits": 4, "quantized_budget": "same_bytes", "anchor_share": 0.25, "balance": "rms",
                       "signal": "uniform", "projection_dtype": "auto"}
+
+
+def _to_python_numbers(config: VarRateConfig) -> None:
+    """numpy (or other numeric) scalars become Python ints and floats, the only numbers the checks and
+    `to_dict`'s JSON take; an integral value in a float field stays as it is."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if isinstance(value, (bool, int, float)) or not isinstance(value, numbers.Number):
+            continue
+        kind = str(f.type)
+        if isinstance(value, numbers.Integral) and "int" in kind:
+            object.__setattr__(config, f.name, int(value))
+        elif isinstance(value, numbers.Real) and "float" in kind:
+            object.__setattr__(config, f.name, _shortest_float(value))
+
+
+def _shortest_float(value) -> float:
+    """np.float32(0.4) -> 0.4 (the number the user wrote), not 0.4000000059604645."""
+    try:
+        return float(str(value))
+    except ValueError:
+        return float(value)
+
+
+def _suggestion(name, known) -> str:
+    close = difflib.get_close_matches(str(name), known, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _check_range(name, value, low, high, *, low_open=False, fix=""):
