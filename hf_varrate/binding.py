@@ -23,7 +23,6 @@ from .codec import attention_scale
 from .errors import VarRateWarning
 from .layers import PrefillContext, VarRateLayer
 
-_HANDLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention module -> hook handle
 _WARNED_REBUILDS: weakref.WeakSet = weakref.WeakSet()  # caches told once that the codes could be read directly
 
 
@@ -41,23 +40,30 @@ def bind(model):
             f"VarRate supports Llama-style decoders (Llama, Qwen2/3, Mistral, Gemma-3)"
         )
     for module in modules:
-        if module not in _HANDLES:
-            _HANDLES[module] = module.register_forward_pre_hook(prefill_hook, with_kwargs=True)
+        if not _hook_ids(module):
+            module.register_forward_pre_hook(prefill_hook, with_kwargs=True)
     return model
 
 
 def unbind(model):
-    """Remove every hook `bind` installed on `model`. Returns `model`."""
+    """Remove every hook `bind` installed on `model`, also on a deep copy of a bound model (which carries
+    copies of the hooks). Returns `model`."""
     for module in attention_modules(model):
-        handle = _HANDLES.pop(module, None)
-        if handle is not None:
-            handle.remove()
+        for hook_id in _hook_ids(module):
+            del module._forward_pre_hooks[hook_id]
+            module._forward_pre_hooks_with_kwargs.pop(hook_id, None)
     return model
 
 
 def is_bound(model) -> bool:
     modules = attention_modules(model)
-    return bool(modules) and all(m in _HANDLES for m in modules)
+    return bool(modules) and all(_hook_ids(m) for m in modules)
+
+
+def _hook_ids(module: torch.nn.Module) -> list[int]:
+    """The ids of `prefill_hook` among the module's forward pre-hooks. The module's own hook table is the
+    record (not a table of handles kept here), so a deep copy or a pickle of a bound model is seen as bound."""
+    return [hook_id for hook_id, hook in module._forward_pre_hooks.items() if hook is prefill_hook]
 
 
 @contextlib.contextmanager

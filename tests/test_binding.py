@@ -1,5 +1,7 @@
 """The prefill hook: recomputed queries equal the attention kernel's, binding is explicit and reversible."""
 
+import copy
+
 import pytest
 import torch
 from transformers import AttentionInterface, DynamicCache
@@ -66,6 +68,18 @@ def test_bind_is_idempotent_and_unbind_removes_every_hook(tiny_llama):
     hf_varrate.unbind(tiny_llama)
     assert [len(m._forward_pre_hooks) for m in modules] == before
     assert not hf_varrate.is_bound(tiny_llama)
+
+
+def test_unbind_removes_the_hooks_of_a_deep_copied_bound_model(tiny_llama):
+    hf_varrate.bind(tiny_llama)
+    clone = copy.deepcopy(tiny_llama)  # carries copies of the hooks
+    hf_varrate.bind(clone)  # idempotent on the copy too: one hook, queries computed once
+    assert [len(m._forward_pre_hooks) for m in attention_modules(clone)] == [1] * len(attention_modules(clone))
+    assert hf_varrate.is_bound(clone)
+    hf_varrate.unbind(clone)
+    assert not any(len(m._forward_pre_hooks) for m in attention_modules(clone))
+    assert hf_varrate.is_bound(tiny_llama)  # the original keeps its own
+    hf_varrate.unbind(tiny_llama)
 
 
 def test_importing_changes_nothing(tiny_llama):
