@@ -11,7 +11,7 @@ The shared library is compiled with ``$CC`` (else ``cc``) for this CPU (``-march
 where the compiler has it, into ``$HF_VARRATE_CACHE/kernels`` (see `hf_varrate.models`), keyed by the
 source, the compiler and the CPU, and loaded with ctypes; it takes about a second, once per machine.
 The loops run on `torch.get_num_threads()` threads (one without OpenMP), with the same results on any
-number.
+number. Under `torch.compile` every caller takes its PyTorch path (see `_loaded`).
 """
 
 from __future__ import annotations
@@ -66,7 +66,14 @@ def disabled():
 
 
 def _loaded() -> ctypes.CDLL | None:
-    return None if _off else _library()
+    """The library, or None: switched off, not buildable, or inside torch.compile's tracing, where tensors
+    have no memory for a C loop to read (a ctypes call there could crash the process): the traced graph
+    then holds the PyTorch path, which computes the same."""
+    return None if _off or _tracing() else _library()
+
+
+def _tracing() -> bool:
+    return torch.compiler.is_compiling()
 
 
 @cache
