@@ -162,6 +162,26 @@ def test_fp16_rounding_is_within_the_orthonormality_tolerance(tmp_path):
     assert Bases.from_pretrained(tmp_path).rank == 64
 
 
+def test_shipped_fp16_bases_can_be_saved_again_as_fp32(tmp_path):
+    write_artifact(tmp_path / "fp16", {k: v.half() for k, v in good_tensors(64).items()}, {**META, "rank": 64})
+    bases = Bases.from_pretrained(tmp_path / "fp16")
+    bases.save_pretrained(tmp_path / "fp32", dtype=torch.float32)  # fp16 values, held in fp32: fp16's tolerance
+    again = Bases.from_pretrained(tmp_path / "fp32")
+    assert again.tensors[0].dtype == torch.float32 and torch.equal(again.tensors[0], bases.tensors[0].float())
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"stride": 0}, r"config\.json field stride .* must be an integer in \[1, 1048576\], got 0"),
+    ({"n_anchors": 10**9}, r"config\.json field n_anchors .* got 1000000000"),
+    ({"window": "64"}, r"config\.json field window .* got '64'"),
+    ({"format_version": 99}, r"config\.json field format_version is 99.*pip install -U hf_varrate"),
+])
+def test_bad_calibration_settings_in_config_json_are_named_as_coming_from_the_file(tmp_path, change, message):
+    write_artifact(tmp_path, good_tensors(), {**META, **change})
+    with pytest.raises(BasesError, match=message):
+        Bases.from_pretrained(tmp_path)
+
+
 # bad config.json ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "change, message",
