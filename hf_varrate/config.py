@@ -291,7 +291,7 @@ def _to_python_numbers(config: VarRateConfig) -> None:
     `to_dict`'s JSON take; an integral value in a float field stays as it is."""
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
-        if isinstance(value, (bool, int, float)) or not isinstance(value, numbers.Number):
+        if type(value) in (bool, int, float) or not isinstance(value, numbers.Number):  # np.float64 is a float
             continue
         kind = str(f.type)
         if isinstance(value, numbers.Integral) and "int" in kind:

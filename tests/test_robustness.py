@@ -257,7 +257,7 @@ def test_the_c_loops_stand_aside_while_torch_compile_traces(monkeypatch):
 @pytest.mark.slow
 def test_compiled_generate_over_a_compact_cache_gives_the_same_tokens(tiny_llama):
     """torch.compile(model.forward) + generate with a compact cache under the "varrate" attention: the same
-    tokens as eager, and no crash (a ctypes call on a traced tensor could end the process). ~40 s on CPU."""
+    tokens as eager, and no crash (a ctypes call on a traced tensor could end the process). ~20 s on CPU."""
     import torch._dynamo
 
     tiny_llama.set_attn_implementation("varrate")
