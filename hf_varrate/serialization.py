@@ -110,8 +110,8 @@ def _metadata(cache, layers: list, tensors_sha256: str) -> dict:
         "config": cache.config.to_dict(),
         "model": {"model_id": shape.model_id, "num_layers": shape.num_layers, "num_kv_heads": shape.num_kv_heads,
                   "head_dim": shape.head_dim, "compressed_layers": list(shape.compressed_layers)},
-        "bases": {"source": _bases_source(cache), "sha256": bases_fingerprint(cache.bases),
-                  "dtype": _bases_dtype(cache.bases)},
+        "bases": {"source": _bases_source(cache), "revision": getattr(cache.bases, "revision", None),
+                  "sha256": bases_fingerprint(cache.bases), "dtype": _bases_dtype(cache.bases)},
         "rope_scaling": None if cache.rope is None else cache.rope.scaling,
         "layers": layers,
         "tensor_file": TENSORS_NAME,
@@ -229,8 +229,11 @@ def _load_bases(meta: dict, model) -> Bases:
     if not source:
         raise CacheFileError("the saved cache does not say where its bases came from; pass them: "
                              "VarRateCache.load(dir, model=model, bases=Bases.from_pretrained(...))")
+    revision = meta["bases"].get("revision")
+    if revision is not None and not isinstance(revision, str):
+        raise CacheFileError(f"bases.revision is {revision!r}, expected null or a Hub revision; save the cache again")
     try:
-        return Bases.from_pretrained(source)
+        return Bases.from_pretrained(source, revision=revision)
     except (BasesError, OSError) as err:
         raise CacheFileError(f"could not read the bases the cache was saved with ({source}): {err}; pass them: "
                              f"VarRateCache.load(dir, model=model, bases=...)") from err
@@ -258,7 +261,7 @@ def _load_layer(cache, i: int, info: dict, tensors: dict, device) -> None:
 def _bases_source(cache) -> str | None:
     """Where the bases can be read again: the path or repo id they were loaded from (a local folder
     made absolute, so the cache loads from any working directory), 'identity', or None."""
-    source = getattr(cache, "bases_source", None) or _source_of(cache.bases)
+    source = getattr(cache.bases, "source", None) or getattr(cache, "bases_source", None) or _source_of(cache.bases)
     if source and source != "identity" and Path(source).is_dir():
         source = str(Path(source).resolve())
     return source

@@ -165,6 +165,19 @@ def test_a_cache_loaded_into_another_model_of_the_same_shape_warns(tiny_llama, t
         VarRateCache.load(tmp_path, model=tiny_llama)
 
 
+def test_a_cache_on_bases_read_with_bases_from_pretrained_reloads_from_another_directory(tiny_llama, tmp_path,
+                                                                                        monkeypatch):
+    Bases.from_tensors({i: torch.eye(64).flip(0) for i in range(2)}, tiny_llama.config).save_pretrained(
+        tmp_path / "bases")
+    monkeypatch.chdir(tmp_path)
+    cache = VarRateCache(Bases.from_pretrained("bases"), model=hf_varrate.bind(tiny_llama), budget=0.4, **SMALL)
+    with torch.no_grad():
+        tiny_llama(prompt(tiny_llama, 200), past_key_values=cache)
+    cache.save_pretrained("doc")
+    monkeypatch.chdir(tmp_path / "bases")  # anywhere else
+    assert VarRateCache.load(tmp_path / "doc", model=tiny_llama).get_seq_length() == 200
+
+
 def test_a_cache_on_fp16_identity_bases_reloads(tiny_llama, tmp_path):
     hf_varrate.bind(tiny_llama)
     cache = VarRateCache(Bases.identity(tiny_llama.config, dtype=torch.float16), model=tiny_llama, budget=0.4,
