@@ -81,6 +81,28 @@ def test_a_failed_bases_save_keeps_the_previous_artifact(tiny_llama, tmp_path, m
     assert torch.equal(Bases.from_pretrained(tmp_path / "bases").tensors[0].float(), torch.eye(64))
 
 
+def test_without_an_atomic_exchange_a_failed_swap_puts_the_previous_save_back(tiny_llama, tmp_path, monkeypatch):
+    """Where the OS cannot exchange two folders in one step, the previous save is renamed aside, the new one
+    into place, and back if that fails."""
+    first, second = compressed(tiny_llama, doc_len=200), compressed(tiny_llama, doc_len=260)
+    target = tmp_path / "doc"
+    first.save_pretrained(target)
+    monkeypatch.setattr("hf_varrate.files._exchange", lambda a, b: False)
+    second.save_pretrained(target)
+    assert load_quietly(target, tiny_llama).get_seq_length() == 260 and entries(tmp_path) == ["doc"]
+    rename = os.rename
+
+    def refuse_the_new_one(src, dst):
+        if ".saving-" in str(src):
+            raise OSError(5, "Input/output error")
+        rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", refuse_the_new_one)
+    with pytest.raises(OSError, match="Input/output"):
+        first.save_pretrained(target)
+    assert load_quietly(target, tiny_llama).get_seq_length() == 260 and entries(tmp_path) == ["doc"]
+
+
 def test_saving_over_a_folder_with_other_files_is_refused_and_touches_nothing(tiny_llama, tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(FileExistsError, match=r"notes\.txt.*new or empty folder"):
