@@ -61,13 +61,14 @@ def load(name: str, dtype: str = "float32"):
 
 
 def bases_for(name: str, model):
-    """The shipped calibrated bases for `name` if they are in hub_assets/, else the identity basis
+    """The shipped calibrated bases for `name` if the package has them, else the identity basis
     (the codec's cost depends only on the rank R, which is D either way for these models)."""
     from hf_varrate import Bases
+    from hf_varrate.shipped import shipped_path
 
-    folder = REPO / "hub_assets" / name
-    if (folder / "bases.safetensors").is_file():
-        return Bases.from_pretrained(folder), str(folder.relative_to(REPO))
+    folder = shipped_path(name)
+    if folder is not None and (folder / "bases.safetensors").is_file():
+        return Bases.from_pretrained(name), name
     return Bases.identity(model.config), "identity"
 
 

@@ -70,11 +70,11 @@ class Runner:
 
     def wait_for_bases(self, stage: Stage) -> None:
         """Shipped bases may still be being built by their owner: poll for them (config: wait_for_bases_s)."""
-        from .methods.varrate import hub_assets
+        from .methods.varrate import shipped_bases
 
         uses = any(self.config.methods[m]["kind"] == "varrate" and self.config.methods[m].get("bases", stage.bases)
                    == "shipped" for m in stage.methods)
-        folder = hub_assets() / stage.model
+        folder = shipped_bases() / stage.model
         deadline = time.time() + self.config.wait_for_bases_s
         while uses and not ((folder / "bases.safetensors").is_file() and (folder / "config.json").is_file()):
             if time.time() > deadline:

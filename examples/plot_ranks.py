@@ -45,7 +45,7 @@ def main():
     doc_ids, q_ids = chat_parts(tokenizer, text, question, lead)
     fig, ax = plt.subplots(figsize=(9, 3.2))
     for label, ids in [("query-aware (question in the prompt)", doc_ids + q_ids), ("query-agnostic (document alone)", doc_ids)]:
-        cache = VarRateCache.from_pretrained("hub_assets/smollm2-135m-instruct", model=model, budget=args.budget)
+        cache = VarRateCache.from_pretrained("smollm2-135m-instruct", model=model, budget=args.budget)
         with torch.no_grad():
             model(torch.tensor([ids]), past_key_values=cache)
         ax.plot(mean_ranks(cache, len(ids)).numpy(), lw=0.6, label=label)

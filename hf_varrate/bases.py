@@ -47,6 +47,7 @@ from .config import VarRateConfig
 from .errors import BasesError, VarRateWarning
 from .files import write_atomic
 from .hub import download_bases, upload_folder
+from .shipped import shipped_path
 from .version import __version__
 
 FORMAT_VERSION = 1  # spectrum.<i> is optional, so artifacts with and without it share version 1
@@ -295,9 +296,10 @@ class Bases:
     @classmethod
     def from_pretrained(cls, path_or_repo_id: str | os.PathLike, revision=None, cache_dir=None,
                         local_files_only=False, token=None) -> Bases:
-        """Load from a local directory, else from the Hub (`huggingface_hub.snapshot_download`: works
-        offline from the HF cache, `revision` may be a branch, tag or commit). Always verified."""
-        folder = Path(path_or_repo_id).expanduser()
+        """Load the shipped bases of that name (`hf_varrate.shipped.SHIPPED`), else from a local directory,
+        else from the Hub (`huggingface_hub.snapshot_download`: works offline from the HF cache, `revision`
+        may be a branch, tag or commit). Always verified."""
+        folder = shipped_path(path_or_repo_id) or Path(path_or_repo_id).expanduser()
         if not folder.is_dir():
             if looks_local(str(path_or_repo_id)):
                 raise BasesError(f"{path_or_repo_id} is not a directory holding bases ({WEIGHTS_NAME}, "

@@ -2,7 +2,11 @@
 
     hf-varrate calibrate --model smollm2-135m-instruct --out my-bases
     hf-varrate push my-bases your-name/smollm2-135m-instruct-varrate [--private] [--revision BRANCH]
-    hf-varrate demo ...
+    hf-varrate demo [--storage compact] [--question "..."]
+    hf-varrate --version
+
+`calibrate` and `demo` own their arguments (`hf-varrate calibrate --help`); they are imported only
+when asked for, so `hf-varrate push` and `--help` do not load torch's model code.
 """
 
 from __future__ import annotations
@@ -10,17 +14,21 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .version import __version__
+
+PROG = "hf-varrate"
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "calibrate":
         from .calibration.__main__ import main as calibrate_main
 
-        return calibrate_main(argv[1:])
+        return calibrate_main(argv[1:], prog=f"{PROG} calibrate")
     if argv and argv[0] == "demo":
-        from .demo import main as demo_main  # written separately; imported only when asked for
+        from .demo import main as demo_main
 
-        return demo_main(argv[1:]) or 0
+        return demo_main(argv[1:], prog=f"{PROG} demo") or 0
     args = build_parser().parse_args(argv)
     if args.command == "push":
         return push(args)
@@ -29,10 +37,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-varrate", description="VarRate KV-cache compression for transformers")
-    commands = parser.add_subparsers(dest="command")
-    commands.add_parser("calibrate", help="build bases for a model (same as python -m hf_varrate.calibration)",
-                        add_help=False)
+    parser = argparse.ArgumentParser(prog=PROG, description="VarRate KV-cache compression for transformers")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="{calibrate,push,demo}")
+    commands.add_parser("calibrate", help="build bases for a model (hf-varrate calibrate --help)", add_help=False)
     push_parser = commands.add_parser("push", help="upload a bases folder to the Hugging Face Hub")
     push_parser.add_argument("folder", help="folder holding bases.safetensors, config.json and README.md")
     push_parser.add_argument("repo_id", help="Hub repo to create or update, e.g. your-name/model-varrate")
@@ -40,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     push_parser.add_argument("--revision", default=None, help="branch to push to (created if missing)")
     push_parser.add_argument("--token", default=None, help="Hub token (default: the logged-in one)")
     push_parser.add_argument("--message", default=None, help="commit message")
-    commands.add_parser("demo", help="run the demo", add_help=False)
+    commands.add_parser("demo", help="compress a document once, answer questions from it (hf-varrate demo --help)",
+                        add_help=False)
     return parser
 
 

@@ -36,7 +36,6 @@ FACTS = [
      "The meeting with the architects is scheduled for"),
 ]
 DEPTHS = (0.15, 0.4, 0.65, 0.9)
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def essay_text() -> str:
@@ -96,8 +95,8 @@ def cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+def main(argv=None, prog: str | None = None) -> int:
+    args = _parser(prog).parse_args(argv)
     from transformers import DynamicCache
 
 
@@ -117,8 +116,8 @@ def main(argv=None) -> int:
         model(torch.tensor([doc_ids[:64]]))
     full = DynamicCache(config=model.config)
     t_full = prefill(model, full, doc_ids)
-    cache = VarRateCache.from_pretrained(args.bases, model=model, preset=args.preset, budget=args.budget,
-                                         budget_dtype=args.budget_dtype, storage=args.storage)
+    cache = VarRateCache.from_pretrained(args.bases or args.model, model=model, preset=args.preset,
+                                         budget=args.budget, budget_dtype=args.budget_dtype, storage=args.storage)
     t_varrate = prefill(model, cache, doc_ids)
     fp = cache.footprint()
     print("[3/4] answering each question from a copy of each cache ...", flush=True)
@@ -149,14 +148,14 @@ def main(argv=None) -> int:
     return 1 if args.strict and hits < len(rows) else 0
 
 
-def _parser():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _parser(prog: str | None = None):
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct", help="a default model name (see hf_varrate.models)")
-    p.add_argument("--bases", default=str(REPO_ROOT / "hub_assets" / "smollm2-135m-instruct"),
-                   help="bases directory or Hub repo id")
+    p.add_argument("--bases", default=None,
+                   help="shipped bases name, bases directory or Hub repo id (default: --model's shipped bases)")
     p.add_argument("--budget", type=float, default=0.2, help="fraction of the full K/V bytes to keep")
     p.add_argument("--preset", choices=PRESETS, default="recommended",
-                   help="'recommended' (the default: issue #8's options, chosen on a development split and "
+                   help="'recommended' (the default: options chosen on a development split and "
                         "confirmed held out) or 'paper' (the paper's defaults)")
     p.add_argument("--budget-dtype", default="float16", choices=["float16", "bfloat16", "float32"],
                    help="count the budget as if K/V were in this dtype (default float16: the demo runs in fp32 "

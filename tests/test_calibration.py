@@ -7,7 +7,6 @@ import json
 import sys
 import types
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +28,7 @@ from hf_varrate.calibration import __main__ as cli
 from hf_varrate.calibration.collect import ResidualSettings
 from hf_varrate.calibration.texts import is_held_out, wiki_documents
 from hf_varrate.codec import unpack
+from hf_varrate.shipped import shipped_path
 
 
 def token_contexts(count: int = 3, length: int = 300, seed: int = 0) -> list[torch.Tensor]:
@@ -288,16 +288,15 @@ def test_hf_varrate_calibrate_is_the_same_command(monkeypatch):
     from hf_varrate import cli as top
 
     seen = []
-    monkeypatch.setattr(cli, "main", lambda argv: seen.append(argv) or 0)
+    monkeypatch.setattr(cli, "main", lambda argv, prog=None: seen.append(argv) or 0)
     assert top.main(["calibrate", "--out", "x"]) == 0
     assert seen == [["--out", "x"]]
-    demo = types.SimpleNamespace(main=lambda argv: seen.append(("demo", argv)))
+    demo = types.SimpleNamespace(main=lambda argv, prog=None: seen.append(("demo", argv)))
     monkeypatch.setitem(sys.modules, "hf_varrate.demo", demo)
     assert top.main(["demo", "--fast"]) == 0 and seen[-1] == ("demo", ["--fast"])
 
 
 # the shipped bases, on the real default models (slow) -----------------------------------------------------
-SHIPPED = Path(__file__).resolve().parents[1] / "hub_assets"
 
 
 @pytest.mark.slow  # loads both real models (through getfixturevalue, which conftest cannot see)
@@ -305,31 +304,31 @@ SHIPPED = Path(__file__).resolve().parents[1] / "hub_assets"
     ("smollm2-135m-instruct", "smollm2", list(range(30))),
     ("gemma-3-270m", "gemma3", [5, 11, 17]),
 ])
-def test_shipped_bases_load_validate_and_record_their_quality(request, monkeypatch, name, fixture, layers):
+def test_shipped_bases_load_validate_and_record_their_quality(request, monkeypatch, tmp_path, name, fixture, layers):
     model, _ = request.getfixturevalue(fixture)
-    monkeypatch.chdir(SHIPPED.parent)  # the path a fresh clone's README uses
+    monkeypatch.chdir(tmp_path)  # a shipped name resolves from any directory
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no model-id or shape complaint
-        cache = VarRateCache.from_pretrained(f"hub_assets/{name}", model=model)
+        cache = VarRateCache.from_pretrained(name, model=model)
     try:
         bases = cache.bases
         assert bases.metadata["compressed_layers"] == layers and bases.rank == bases.metadata["width"]
         assert (bases.metadata["stride"], bases.metadata["window"], bases.metadata["n_anchors"]) == (16, 64, 4)
-        artifact = Bases.from_pretrained(SHIPPED / name)
+        artifact = Bases.from_pretrained(shipped_path(name))
         for i in layers:  # the spectrum a key/value-balanced basis is built from
             s = artifact.spectrum(i)
             assert s.shape == (bases.rank,) and bool((s[1:] <= s[:-1]).all()) and float(s[0]) > 0
         quality = bases.metadata["quality"]
         assert quality["budget"] == 0.2 and "held_out" in quality["data"]
         assert quality["calibrated"]["keys"] < quality["identity"]["keys"]
-        assert f"{quality['calibrated']['keys']:.4f}" in (SHIPPED / name / "README.md").read_text()
+        assert f"{quality['calibrated']['keys']:.4f}" in (shipped_path(name) / "README.md").read_text()
     finally:
         unbind(model)
 
 
 def test_shipped_smollm2_bases_beat_identity_on_held_out_text(smollm2):
     model, tokenizer = smollm2
-    bases = Bases.from_pretrained(SHIPPED / "smollm2-135m-instruct")
+    bases = Bases.from_pretrained("smollm2-135m-instruct")
     held_out = load_texts(split="held_out", seed=7)  # another order than the card's measurement
     contexts = build_contexts(tokenizer, held_out.documents, 1, 1024)
     calibrated = reconstruction_error(model, bases, contexts, budget=0.2)

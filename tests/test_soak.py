@@ -163,7 +163,7 @@ def test_two_caches_on_one_bound_model_from_two_threads_answer_as_sequentially(t
 # --- long: SmolLM2 ------------------------------------------------------------------------------------
 @pytest.mark.skipif(os.environ.get("HF_VARRATE_SOAK") != "1", reason="long soak: set HF_VARRATE_SOAK=1")
 def test_soak_smollm2_with_shipped_bases(smollm2):
-    from hf_varrate.demo import DEPTHS, FACTS, REPO_ROOT, chat_parts, essay_text, plant
+    from hf_varrate.demo import DEPTHS, FACTS, chat_parts, essay_text, plant
 
     model, tokenizer = smollm2
     cycles = int(os.environ.get("HF_VARRATE_SOAK_CYCLES", "200"))
@@ -172,7 +172,7 @@ def test_soak_smollm2_with_shipped_bases(smollm2):
     doc = torch.tensor([parts[0][0]])
     questions = [torch.tensor([q]) for _, q in parts]
     try:
-        base = VarRateCache.from_pretrained(REPO_ROOT / "hub_assets" / "smollm2-135m-instruct", model=model)
+        base = VarRateCache.from_pretrained("smollm2-135m-instruct", model=model)
         with torch.no_grad():
             model(doc, past_key_values=base)
         result = soak(model, base, doc, questions, cycles, new=10, pad=tokenizer.eos_token_id, log=print)

@@ -89,7 +89,7 @@ def test_a_model_whose_rope_differs_from_the_recorded_one_is_refused(tiny_llama,
 
 def test_the_shipped_bases_record_their_layout_and_rope():
     for name, layers in (("smollm2-135m-instruct", 30), ("gemma-3-270m", 18)):
-        bases = Bases.from_pretrained(f"hub_assets/{name}")
+        bases = Bases.from_pretrained(name)
         assert bases.model_shape().num_layers == layers and bases.rope() is not None
 
 
@@ -97,9 +97,9 @@ def test_the_shipped_bases_record_their_layout_and_rope():
 def test_real_smollm2_without_the_model_answers_as_with_it(smollm2):
     model, _ = smollm2
     ids = torch.randint(100, 20000, (1, 1200), generator=torch.Generator().manual_seed(0))
-    out = greedy(model, ids, VarRateCache.from_pretrained("hub_assets/smollm2-135m-instruct"), new=6)
+    out = greedy(model, ids, VarRateCache.from_pretrained("smollm2-135m-instruct"), new=6)
     with hf_varrate.bound(model):
-        expected = greedy(model, ids, VarRateCache.from_pretrained("hub_assets/smollm2-135m-instruct", model=model),
+        expected = greedy(model, ids, VarRateCache.from_pretrained("smollm2-135m-instruct", model=model),
                           new=6)
     assert torch.equal(out, expected)
 
@@ -108,7 +108,7 @@ def test_real_smollm2_without_the_model_answers_as_with_it(smollm2):
 def test_the_card_one_liner_in_a_text_generation_pipeline(smollm2):
     model, tokenizer = smollm2
     generator = pipeline("text-generation", model=model, tokenizer=tokenizer)
-    cache = VarRateCache.from_pretrained("hub_assets/smollm2-135m-instruct")
+    cache = VarRateCache.from_pretrained("smollm2-135m-instruct")
     text = " ".join(["The quick brown fox jumps over the lazy dog."] * 60)
     out = generator(text, past_key_values=cache, max_new_tokens=4, do_sample=False, return_full_text=False)
     assert isinstance(out[0]["generated_text"], str)

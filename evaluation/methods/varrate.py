@@ -27,16 +27,16 @@ REPO = Path(__file__).resolve().parents[2]
 NOT_CONFIG = {"kind", "bases", "impl", "preset"}
 
 
-def hub_assets() -> Path:
-    """Where the shipped bases live: this repo's hub_assets/, or $HF_VARRATE_HUB_ASSETS."""
-    return Path(os.environ.get("HF_VARRATE_HUB_ASSETS", REPO / "hub_assets"))
+def shipped_bases() -> Path:
+    """Where the shipped bases live: the package's (hf_varrate/shipped_bases/), or $HF_VARRATE_SHIPPED_BASES."""
+    return Path(os.environ.get("HF_VARRATE_SHIPPED_BASES", REPO / "hf_varrate" / "shipped_bases"))
 
 
 def resolve_bases(model, model_name: str, which: str) -> Bases:
-    """'identity', 'shipped' (hub_assets/<model>/) or a directory / Hub repo id."""
+    """'identity', 'shipped' (hf_varrate/shipped_bases/<model>/) or a directory / Hub repo id."""
     if which == "identity":
         return Bases.identity(model.config)
-    path = hub_assets() / model_name if which == "shipped" else which
+    path = shipped_bases() / model_name if which == "shipped" else which
     bases = Bases.from_pretrained(str(path))
     bases.validate(model.config)
     return bases

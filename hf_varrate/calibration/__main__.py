@@ -1,6 +1,6 @@
 """`python -m hf_varrate.calibration` (also `hf-varrate calibrate`): build, measure and save bases.
 
-    python -m hf_varrate.calibration --model smollm2-135m-instruct --out hub_assets/smollm2-135m-instruct
+    python -m hf_varrate.calibration --model smollm2-135m-instruct --out my-bases
 
 Steps: load the model, read the text, pack contexts, calibrate, measure the codec's reconstruction
 error at --eval-budget on held-out text for these bases and for the identity basis, save the
@@ -26,8 +26,9 @@ LICENSES = {"smollm2-135m-instruct": "apache-2.0", "gemma-3-270m": "gemma"}
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    parser = parser or argparse.ArgumentParser(prog="python -m hf_varrate.calibration", description=__doc__,
+def build_parser(parser: argparse.ArgumentParser | None = None,
+                 prog: str = "python -m hf_varrate.calibration") -> argparse.ArgumentParser:
+    parser = parser or argparse.ArgumentParser(prog=prog, description=__doc__,
                                                formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults = VarRateConfig()
     add = parser.add_argument
@@ -60,9 +61,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m hf_varrate.calibration") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    args = build_parser(prog=prog).parse_args(argv)
     model, tokenizer, model_meta = load_model(args)
     config = VarRateConfig(stride=args.stride, window=args.window, n_anchors=args.n_anchors)
     texts = load_texts(args.texts, split="calibration", seed=args.seed, text_field=args.text_field)
