@@ -9,7 +9,7 @@ the runner does (tokenizer only, no forward pass), and counts the kinds per meth
     python -m studies.needle_confusions --model gemma-3-270m
 
 It reads the rows of `python -m evaluation.run --config evaluation/configs/full.yaml` (evaluation/runs/full/);
-the rows the README cites are in git history: `git show 81a3a85:evaluation/results/full/examples.jsonl`.
+the rows docs/evaluation.md cites are in git history: `git show 81a3a85:evaluation/results/full/examples.jsonl`.
 """
 
 from __future__ import annotations

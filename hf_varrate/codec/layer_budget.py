@@ -1,4 +1,4 @@
-"""Per-layer budgets from the calibration spectra (issue #8, `VarRateConfig.layer_budgets="spectrum"`).
+"""Per-layer budgets from the calibration spectra (`VarRateConfig.layer_budgets="spectrum"`).
 
 Under Eq. 3 every layer gets the same coefficient budget. With flat ranks rho_l, layer l loses the
 share sum_{j >= rho_l} e_lj of its calibration residual energy (e_lj = s_lj^2 / sum_j s_lj^2,
