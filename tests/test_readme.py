@@ -62,3 +62,8 @@ def test_readme_snippet_runs_verbatim_from_any_directory(tmp_path):
                          timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "Footprint" in run.stdout or "%" in run.stdout, run.stdout[-2000:]
+
+
+def test_examples_quickstart_is_the_readme_snippet():
+    quickstart = (REPO / "examples" / "quickstart.py").read_text()
+    assert quickstart.endswith(readme_snippet(README.read_text())), "examples/quickstart.py drifted from the README"
