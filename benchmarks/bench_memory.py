@@ -91,6 +91,8 @@ def child(config: str, args) -> dict:
     sampler.start()
     with torch.no_grad():
         logits = model(ids, past_key_values=cache, logits_to_keep=1).logits
+        if isinstance(cache, VarRateCache):
+            cache.compress()  # the prompt is coded now, not at the first decoding step
     prefill_peak = sampler.stop()
     settle()
     after_prefill = sampler.rss()

@@ -64,7 +64,7 @@ def varrate_prefill(model, ids, bases, config) -> tuple[float, float]:
     spent = [0.0]
     for layer in cache.layers:
         if isinstance(layer, VarRateLayer):
-            layer._prefill = _timed(layer._prefill, spent)  # benchmark instrumentation of this instance only
+            layer.finish_prompt = _timed(layer.finish_prompt, spent)  # instrumentation of this instance only
     wall = common.timed_forward(model, ids, cache, _hook_timers(model, spent))
     return wall, spent[0]
 

@@ -130,12 +130,15 @@ def captured_document(name: str, dtype: str, length: int, threads: int) -> Docum
 
 
 def timed_forward(model, ids: torch.Tensor, cache, handles=()) -> float:
-    """Wall seconds of one no-grad forward of `ids` into `cache` (last logits only); the hook `handles`
-    are removed afterwards, whatever happens."""
+    """Wall seconds of one no-grad forward of `ids` into `cache` (last logits only), and of coding the prompt a
+    VarRateCache then holds (`compress()`: what a prefill that is reused costs); the hook `handles` are
+    removed afterwards, whatever happens."""
     try:
         start = time.perf_counter()
         with torch.no_grad():
             model(ids, past_key_values=cache, logits_to_keep=1)
+            if hasattr(cache, "compress"):
+                cache.compress()
         return time.perf_counter() - start
     finally:
         for handle in handles:

@@ -118,7 +118,8 @@ def replay(cache, model, captured: Captured, *, timer=clock, hook=None) -> float
     """Feed a captured prefill to `cache` layer by layer as a bound model's prefill does: for each
     full-attention layer the library's prefill hook (`hook`, default `hf_varrate.binding.prefill_hook`)
     with the kwargs the attention module would get, then `cache.update` for every layer. Returns the
-    seconds (on `timer`) spent in the hook and update of the cache's VarRate layers."""
+    seconds (on `timer`) spent in the hook and update of the cache's VarRate layers, and in coding the prompt
+    they hold (`cache.compress()`, as a prefill that is then reused ends: the question is not coded with it)."""
     if hook is None:
         from hf_varrate.binding import prefill_hook as hook
     spent = 0.0
@@ -134,4 +135,9 @@ def replay(cache, model, captured: Captured, *, timer=clock, hook=None) -> float
             cache.update(captured.keys[i], captured.values[i], i)
             if isinstance(cache.layers[i], VarRateLayer):
                 spent += timer() - start
+        start = timer()
+        compress = getattr(cache, "compress", None)
+        if compress is not None:
+            compress()
+            spent += timer() - start
     return spent

@@ -4,8 +4,9 @@
     python examples/multiturn.py --document my.txt --question "Who wrote it?"
 
 The whole job lives in `hf_varrate.demo` (so `hf-varrate demo` runs the same code); read it for
-the pattern: chat prefix ids of the document, `model(doc_ids, past_key_values=cache)` once, then
-`generate(doc_ids + question_ids, past_key_values=copy.deepcopy(cache))` per question.
+the pattern: chat prefix ids of the document, `model(doc_ids, cache=cache)` and `cache.compress()` once,
+then `generate(doc_ids + question_ids, cache=copy.deepcopy(cache))` per question (`past_key_values=` on
+transformers < 5.24).
 """
 
 from hf_varrate.demo import main

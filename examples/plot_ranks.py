@@ -48,6 +48,7 @@ def main():
         cache = VarRateCache.from_pretrained("smollm2-135m-instruct", model=model, budget=args.budget)
         with torch.no_grad():
             model(torch.tensor([ids]), past_key_values=cache)
+        cache.compress()
         ax.plot(mean_ranks(cache, len(ids)).numpy(), lw=0.6, label=label)
     needle = len(chat_parts(tokenizer, text[: text.index(fact)], "")[0])
     ax.axvline(needle, color="k", ls=":", lw=1, label="planted fact")

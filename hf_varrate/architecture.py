@@ -69,3 +69,14 @@ def check_fits(shape, layer_idx: int, *, num_layers: int | None = None, num_kv_h
             f"has more layers than the one the cache was built for; build a new cache for this model with "
             f"VarRateCache.from_pretrained(bases, model=model)"
         )
+
+
+def check_compressible(shape: ModelShape) -> ModelShape:
+    """Raise ValueError for a model with no full-attention layer to compress; return `shape`."""
+    if not shape.compressed_layers:
+        raise ValueError(
+            f"every layer of {shape.model_id or 'this model'} is sliding-window attention (sliding_window="
+            f"{shape.sliding_window}, as in Mistral-7B-v0.1): VarRate compresses full-attention layers only, and "
+            f"there are none; use transformers' DynamicCache (the window already bounds its memory)")
+    return shape
+

@@ -23,13 +23,14 @@ from pathlib import Path
 
 import torch
 
-from .architecture import ModelShape, describe
+from .architecture import ModelShape, check_compressible, describe
 from .bases_checks import (  # noqa: F401 (re-exported: the artifact's names and checks live there)
     ARTIFACT_FILES,
     BUILD_HINT,
     CARD_NAME,
     CONFIG_NAME,
     FLOAT_DTYPES,
+    FORMAT_VERSION,
     INT_FIELDS,
     WEIGHTS_NAME,
     build_hint,
@@ -37,21 +38,22 @@ from .bases_checks import (  # noqa: F401 (re-exported: the artifact's names and
     check_metadata,
     check_spectrum,
     check_tensors,
+    check_fits_model,
     looks_local,
     read_files,
+    shape_metadata,
 )
 from .card import render_card
 from .codec.balance import balanced_basis
 from .codec.layer_budget import energy_shares
 from .config import VarRateConfig
 from .errors import BasesError, VarRateWarning
-from .files import write_atomic
+from .files import replacing_folder
 from .hub import download_bases, upload_folder
+from .rotary import RotaryFrequencies
 from .shipped import shipped_path
 from .version import __version__
 
-FORMAT_VERSION = 1  # spectrum.<i> is optional, so artifacts with and without it share version 1
-SHAPE_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "width", "compressed_layers")
 
 
 class Bases:
@@ -73,12 +75,16 @@ class Bases:
         self._balanced: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}  # coding spaces, per device
         self._balanced_spectra: dict[int, torch.Tensor] = {}
         self._energies: dict[str, tuple[torch.Tensor, dict[int, int]]] = {}
+        # where `from_pretrained` read them (an absolute folder or a Hub repo id, and its revision): a saved
+        # cache records it, to read the same bases again from any working directory
+        self.source: str | None = None
+        self.revision: str | None = None
 
     # construction -----------------------------------------------------------------------------------
     @classmethod
     def identity(cls, model_config, dtype: torch.dtype = torch.float32) -> Bases:
         """Full-rank identity basis for every compressed layer (for tests, and anyone without bases yet)."""
-        shape = describe(model_config)
+        shape = check_compressible(describe(model_config))
         eye = torch.eye(shape.width, dtype=dtype)
         return cls.from_tensors({i: eye for i in shape.compressed_layers}, model_config, calibration="identity")
 
@@ -136,6 +142,22 @@ class Bases:
     @property
     def rank(self) -> int:
         return int(self.metadata["rank"])
+
+    def model_shape(self) -> ModelShape:
+        """The model's layer layout as these bases record it: what a cache built without the model needs."""
+        meta = self.metadata
+        layers = list(meta.get("compressed_layers", []))
+        if "sliding_window" not in meta and len(layers) < meta.get("num_layers", 0):
+            raise BasesError(f"these bases do not record the model's sliding window (written by hf_varrate < 0.2): "
+                             f"pass model=model, or re-save them with this version: {build_hint(meta)}")
+        return ModelShape(num_layers=meta["num_layers"], num_kv_heads=meta["num_kv_heads"], head_dim=meta["head_dim"],
+                          compressed_layers=tuple(layers), sliding_window=meta.get("sliding_window"),
+                          model_id=meta.get("model_id"))
+
+    def rope(self) -> RotaryFrequencies | None:
+        """The compressed layers' rotary frequencies as recorded at calibration (None: not recorded)."""
+        recorded = (self.metadata.get("rope") or {}).get("full_attention")
+        return RotaryFrequencies.from_metadata(recorded) if recorded else None
 
     def for_layer(self, layer_idx: int, device=None) -> torch.Tensor:
         """fp32 [R, D] on `device`, uploaded once per device and then kept resident."""
@@ -224,28 +246,7 @@ class Bases:
         fine-tune of the calibrated model is a legitimate use). A model loaded from a local folder
         has no Hub id to compare, so it is not warned about.
         """
-        shape = describe(model_config)
-        expected = shape_metadata(shape)
-        hint = build_hint(shape.model_id)
-        for name in SHAPE_FIELDS:
-            have, want = self.metadata.get(name), expected[name]
-            if have is not None and list_or(have) != list_or(want):
-                raise BasesError(f"bases do not fit this model: {name} is {have!r} in the bases but {want!r} in "
-                                 f"the model; build matching bases with: {hint}")
-        for i in shape.compressed_layers:
-            t = self.tensors.get(i)
-            if t is None:
-                raise BasesError(f"bases miss layer {i} (tensor layers.{i}); build complete bases with: {hint}")
-            if t.ndim != 2 or t.shape[1] != shape.width or t.shape[0] > shape.width:
-                raise BasesError(f"basis of layer {i} has shape {tuple(t.shape)}, expected [R <= {shape.width}, "
-                                 f"{shape.width}]; build matching bases with: {hint}")
-        notes = []
-        mine, theirs = self.metadata.get("model_id"), shape.model_id
-        comparable = mine and theirs and not os.path.isdir(str(theirs))
-        if comparable and mine != theirs and self.metadata.get("calibration") != "identity":
-            notes.append(f"bases were calibrated on {mine!r} but the model is {theirs!r}; shapes match, so they "
-                         f"will be used, but quality may differ")
-        return notes
+        return check_fits_model(self.metadata, self.tensors, model_config)
 
     def check(self) -> None:
         """Raise `BasesError` unless every tensor is a finite float [rank, width] with orthonormal rows,
@@ -261,22 +262,25 @@ class Bases:
     # files ------------------------------------------------------------------------------------------
     def save_pretrained(self, save_directory: str | os.PathLike, dtype: torch.dtype = torch.float16,
                         card: bool = True) -> Path:
-        """Write `bases.safetensors`, `config.json` (with the tensor file's sha256) and a `README.md` card."""
+        """Write `bases.safetensors`, `config.json` (with the tensor file's sha256) and a `README.md` card,
+        replacing a previous artifact in `save_directory` as a whole (`files.replacing_folder`): on any
+        error, nothing there has changed."""
         from safetensors.torch import save
 
         self.check()
-        out = Path(save_directory)
-        out.mkdir(parents=True, exist_ok=True)
         tensors = self._named_tensors(dtype)
         blob = save(tensors, metadata={"format": "pt", "library": "hf_varrate"})
         check_tensors(tensors, self.metadata)  # what fp16 rounding left must still be a valid basis
         meta = {**self.metadata, "dtype": str(dtype).removeprefix("torch."), "format_version": FORMAT_VERSION,
                 "library_version": __version__, "sha256": {WEIGHTS_NAME: hashlib.sha256(blob).hexdigest()}}
-        write_atomic(out / WEIGHTS_NAME, blob)
-        write_atomic(out / CONFIG_NAME, (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode())
+        files = {WEIGHTS_NAME: blob, CONFIG_NAME: (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode()}
         if card:
-            write_atomic(out / CARD_NAME, render_card(meta, spectrum=bool(self.spectra)).encode())
-        return out
+            files[CARD_NAME] = render_card(meta, spectrum=bool(self.spectra)).encode()
+        with replacing_folder(save_directory, ARTIFACT_FILES, "bases artifact") as folder:  # all files or none
+            for name, data in files.items():
+                with open(folder / name, "xb") as handle:
+                    handle.write(data)
+        return Path(save_directory)
 
     def _named_tensors(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """The tensor file's contents: `layers.<i>` in `dtype` (default: as held), `spectrum.<i>` in fp32."""
@@ -306,7 +310,12 @@ class Bases:
                                  f"{CONFIG_NAME}); build bases there with: {BUILD_HINT}")
             folder = download_bases(str(path_or_repo_id), revision=revision, cache_dir=cache_dir,
                                     local_files_only=local_files_only, token=token)
-        return read_artifact(folder)
+            bases = read_artifact(folder)
+            bases.source, bases.revision = str(path_or_repo_id), revision
+            return bases
+        bases = read_artifact(folder)
+        bases.source = str(folder.resolve())
+        return bases
 
 
 def read_artifact(folder: str | os.PathLike) -> Bases:
@@ -333,16 +342,11 @@ def push_folder(folder: str | os.PathLike, repo_id: str, *, private: bool | None
                              commit_message=message)
 
 
-def shape_metadata(shape: ModelShape) -> dict:
-    return {
-        "model_id": shape.model_id,
-        "num_layers": shape.num_layers,
-        "num_kv_heads": shape.num_kv_heads,
-        "head_dim": shape.head_dim,
-        "width": shape.width,
-        "compressed_layers": list(shape.compressed_layers),
-    }
-
-
-def list_or(value):
-    return list(value) if isinstance(value, (list, tuple)) else value
+def layout_metadata(model) -> dict:
+    """What a cache built without the model needs from it, to record in bases: the shape fields and the
+    compressed layers' RoPE frequencies."""
+    meta = shape_metadata(describe(model.config))
+    rope = RotaryFrequencies.from_model(model)
+    if rope is not None:
+        meta["rope"] = {"full_attention": rope.to_metadata()}
+    return meta

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from .architecture import ModelShape, describe
 from .errors import BasesError
 
 WEIGHTS_NAME = "bases.safetensors"
@@ -24,7 +25,11 @@ ARTIFACT_FILES = (WEIGHTS_NAME, CONFIG_NAME, CARD_NAME)
 BUILD_HINT = "python -m hf_varrate.calibration --model <your model> --out <dir>"
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_CONFIG_BYTES = 1 << 20  # a config.json is a few KB; anything larger is not ours
+SHAPE_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "width", "compressed_layers")
 INT_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "width", "rank")
+FORMAT_VERSION = 1  # spectrum.<i> is optional, so artifacts with and without it share version 1
+# calibration settings a cache codes with by default (`Bases.config`): field -> largest sensible value
+CALIBRATION_FIELDS = {"stride": 1 << 20, "window": 1 << 20, "n_anchors": 1024}
 
 
 def build_hint(model_or_meta=None) -> str:
@@ -53,7 +58,47 @@ def check_metadata(meta) -> dict:
     if meta["rank"] > meta["width"]:
         raise BasesError(f"{CONFIG_NAME} field rank is {meta['rank']}, above width {meta['width']}; "
                          f"rebuild with: {build_hint(meta)}")
+    check_layout(meta)
+    check_calibration_fields(meta)
     return meta
+
+
+def check_calibration_fields(meta: dict) -> None:
+    """`format_version` (if any) is one this version reads; the calibration settings a cache takes its
+    defaults from (stride, window, n_anchors), where recorded, are integers in range."""
+    version = meta.get("format_version", FORMAT_VERSION)
+    if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= FORMAT_VERSION:
+        raise BasesError(f"{CONFIG_NAME} field format_version is {version!r}, and this hf_varrate reads bases of "
+                         f"format 1 to {FORMAT_VERSION}: upgrade it (pip install -U hf_varrate), or rebuild the "
+                         f"bases with: {build_hint(meta)}")
+    for name, largest in CALIBRATION_FIELDS.items():
+        value = meta.get(name)
+        if name in meta and (not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= largest):
+            raise BasesError(f"{CONFIG_NAME} field {name} (a calibration setting that caches coding with these "
+                             f"bases default to) must be an integer in [1, {largest}], got {value!r}; fix or "
+                             f"remove the field, or rebuild the bases with: {build_hint(meta)}")
+
+
+def check_layout(meta: dict) -> None:
+    """The optional layout fields a cache built without the model reads: `sliding_window` (a positive
+    integer or null) and `rope.full_attention` ({inv_freq: head_dim / 2 positive floats, attention_scaling})."""
+    window = meta.get("sliding_window")
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise BasesError(f"{CONFIG_NAME} field sliding_window must be a positive integer or null, got {window!r}; "
+                         f"rebuild with: {build_hint(meta)}")
+    rope = meta.get("rope")
+    if rope is None:
+        return
+    full = rope.get("full_attention") if isinstance(rope, dict) else None
+    freqs = full.get("inv_freq") if isinstance(full, dict) else None
+    scaling = full.get("attention_scaling") if isinstance(full, dict) else None
+    ok = isinstance(freqs, list) and len(freqs) == meta["head_dim"] // 2
+    ok = ok and all(isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f < float("inf") for f in freqs)
+    ok = ok and isinstance(scaling, (int, float)) and not isinstance(scaling, bool) and 0 < scaling < float("inf")
+    if not ok:
+        raise BasesError(f"{CONFIG_NAME} field rope must be {{'full_attention': {{'inv_freq': {meta['head_dim'] // 2} "
+                         f"positive floats, 'attention_scaling': a positive float}}}}, got {rope!r:.200}; rebuild "
+                         f"with: {build_hint(meta)}")
 
 
 def check_tensors(raw: dict[str, torch.Tensor], meta: dict) -> None:
@@ -75,7 +120,8 @@ def check_tensors(raw: dict[str, torch.Tensor], meta: dict) -> None:
 
 
 def check_basis(name: str, tensor: torch.Tensor, rank: int, width: int) -> None:
-    """A float [rank, width] tensor, finite, with orthonormal rows (tolerance set by its dtype)."""
+    """A float [rank, width] tensor, finite, with orthonormal rows (tolerance set by the values' precision:
+    fp16 or bf16 values keep theirs when held in fp32, e.g. shipped fp16 bases re-saved as fp32)."""
     if tensor.dtype not in FLOAT_DTYPES:
         raise BasesError(f"basis {name} has dtype {tensor.dtype}, expected one of "
                          f"{[str(d) for d in FLOAT_DTYPES]}; rebuild it with: {BUILD_HINT}")
@@ -86,10 +132,18 @@ def check_basis(name: str, tensor: torch.Tensor, rank: int, width: int) -> None:
         raise BasesError(f"basis {name} contains NaN or inf; rebuild it with: {BUILD_HINT}")
     v = tensor.float()  # fp32 Gram: its own rounding (~1e-6 at D = 4096) is far below either tolerance
     gram_error = float((v @ v.T - torch.eye(rank)).abs().max())
-    tolerance = 1e-2 if tensor.element_size() <= 2 else 1e-4
+    tolerance = 1e-2 if _half_precision(tensor) else 1e-4
     if gram_error > tolerance:
         raise BasesError(f"basis {name} does not have orthonormal rows: max |V V^T - I| is {gram_error:.3g}, "
                          f"above {tolerance:g} for {tensor.dtype}; rebuild it with: {BUILD_HINT}")
+
+
+def _half_precision(tensor: torch.Tensor) -> bool:
+    """Whether the values carry only fp16 or bf16 precision: stored in 2 bytes, or every value unchanged by a
+    round trip through one of them."""
+    if tensor.element_size() <= 2:
+        return True
+    return any(torch.equal(tensor.to(half).to(tensor.dtype), tensor) for half in (torch.float16, torch.bfloat16))
 
 
 def check_spectrum(name: str, tensor: torch.Tensor, rank: int) -> None:
@@ -162,3 +216,51 @@ def _read_config(path: Path):
     except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise BasesError(f"{path} is not valid JSON ({type(exc).__name__}: {exc}); rebuild it with: "
                          f"{BUILD_HINT}") from exc
+
+
+def shape_metadata(shape: ModelShape) -> dict:
+    return {
+        "model_id": shape.model_id,
+        "num_layers": shape.num_layers,
+        "num_kv_heads": shape.num_kv_heads,
+        "head_dim": shape.head_dim,
+        "width": shape.width,
+        "compressed_layers": list(shape.compressed_layers),
+        "sliding_window": shape.sliding_window if len(shape.compressed_layers) < shape.num_layers else None,
+    }
+
+
+def check_fits_model(metadata: dict, tensors: dict, model_config) -> list[str]:
+    """Raise `BasesError` if bases (their metadata and per-layer tensors) cannot serve `model_config`;
+    return warnings (e.g. model id).
+
+    Shapes must match exactly; a different model id with matching shapes is only a warning (a
+    fine-tune of the calibrated model is a legitimate use). A model loaded from a local folder
+    has no Hub id to compare, so it is not warned about.
+    """
+    shape = describe(model_config)
+    expected = shape_metadata(shape)
+    hint = build_hint(shape.model_id)
+    for name in SHAPE_FIELDS:
+        have, want = metadata.get(name), expected[name]
+        if have is not None and list_or(have) != list_or(want):
+            raise BasesError(f"bases do not fit this model: {name} is {have!r} in the bases but {want!r} in "
+                             f"the model; build matching bases with: {hint}")
+    for i in shape.compressed_layers:
+        t = tensors.get(i)
+        if t is None:
+            raise BasesError(f"bases miss layer {i} (tensor layers.{i}); build complete bases with: {hint}")
+        if t.ndim != 2 or t.shape[1] != shape.width or t.shape[0] > shape.width:
+            raise BasesError(f"basis of layer {i} has shape {tuple(t.shape)}, expected [R <= {shape.width}, "
+                             f"{shape.width}]; build matching bases with: {hint}")
+    notes = []
+    mine, theirs = metadata.get("model_id"), shape.model_id
+    comparable = mine and theirs and not os.path.isdir(str(theirs))
+    if comparable and mine != theirs and metadata.get("calibration") != "identity":
+        notes.append(f"bases were calibrated on {mine!r} but the model is {theirs!r}; shapes match, so they "
+                     f"will be used, but quality may differ")
+    return notes
+
+
+def list_or(value):
+    return list(value) if isinstance(value, (list, tuple)) else value

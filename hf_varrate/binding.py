@@ -35,10 +35,11 @@ def bind(model):
     """Install the prefill hook on every attention module of `model` (idempotent). Returns `model`."""
     modules = attention_modules(model)
     if not modules:
-        raise ValueError(
-            f"bind found no attention module (with q_proj, k_proj and layer_idx) in {type(model).__name__}; "
-            f"VarRate supports Llama-style decoders (Llama, Qwen2/3, Mistral, Gemma-3)"
-        )
+        fused = any(hasattr(m, "qkv_proj") for m in model.modules())
+        family = (f"{type(model).__name__} computes queries, keys and values with one fused qkv_proj (Phi-3 style), "
+                  f"which VarRate does not support yet" if fused else
+                  f"bind found no attention module (with q_proj, k_proj and layer_idx) in {type(model).__name__}")
+        raise ValueError(f"{family}; VarRate supports Llama-style decoders (Llama, Qwen2/3, Mistral, Gemma-3)")
     for module in modules:
         if not _hook_ids(module):
             module.register_forward_pre_hook(prefill_hook, with_kwargs=True)

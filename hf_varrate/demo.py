@@ -86,6 +86,8 @@ def prefill(model, cache, doc_ids) -> float:
     start = time.perf_counter()
     with torch.no_grad():
         model(torch.tensor([doc_ids]), **{cache_kwarg(model): cache})
+        if isinstance(cache, VarRateCache):
+            cache.compress()  # the document ends here: code it now, so no question is coded with it
     return time.perf_counter() - start
 
 

@@ -103,6 +103,7 @@ def test_empty_prompt_is_a_value_error_and_leaves_the_cache_usable(tiny_llama):
         forward(tiny_llama, torch.zeros(1, 0, dtype=torch.long), cache)
     assert cache.get_seq_length() == 0 and cache.layers[0].awaits_prefill
     forward(tiny_llama, tokens(tiny_llama, 300), cache)  # the same cache still compresses a real prompt
+    cache.compress()
     assert all(not layer.codes[0].stored_exactly for layer in cache.layers)
 
 
@@ -142,6 +143,7 @@ def test_stride_and_window_boundary_lengths_split_exact_and_coded_tokens_correct
     reference, cache = DynamicCache(), make_cache(tiny_llama, budget=0.99)
     forward(tiny_llama, ids, reference)
     forward(tiny_llama, ids, cache)
+    cache.compress()
     for layer, ref in zip(cache.layers, reference.layers):
         code = layer.codes[0]
         assert not code.stored_exactly and code.exact_pos.tolist() == exact
@@ -165,6 +167,7 @@ def test_nan_or_inf_in_keys_or_values_is_a_value_error_naming_the_layer(tiny_lla
     with torch.no_grad():
         v_proj.weight.copy_(saved)
     forward(tiny_llama, ids, cache)  # fixed inputs, same cache: compressed as if nothing had happened
+    cache.compress()
     assert [len(layer.codes) for layer in cache.layers] == [1, 1]
 
 
@@ -178,6 +181,7 @@ def test_unbound_model_is_a_runtime_error_and_a_retry_after_binding_compresses_e
         forward(tiny_llama, ids, cache)
     hf_varrate.bind(tiny_llama)
     forward(tiny_llama, ids, cache)
+    cache.compress()
     assert [len(layer.codes) for layer in cache.layers] == [1, 1]
     assert all(not layer.codes[0].stored_exactly for layer in cache.layers)
 
@@ -287,17 +291,19 @@ def test_batch_with_an_all_padding_row_stores_it_empty_and_leaves_other_rows_alo
         assert torch.equal(out[row, -4:], alone[0, -4:])
 
 
-def test_chunked_prefill_compresses_the_first_chunk_and_appends_the_second_exactly(tiny_llama):
+def test_a_prompt_in_two_forwards_is_held_exactly_then_coded_whole(tiny_llama):
+    """Chunks of one prompt (no decoding step between them) are one prompt: held exactly while they arrive,
+    then coded as a whole (it used to code the first chunk alone and store the second exactly)."""
     doc = tokens(tiny_llama, 300)
     cache, reference = make_cache(tiny_llama, budget=0.4), DynamicCache()
     forward(tiny_llama, doc[:, :200], cache)
     forward(tiny_llama, doc[:, 200:], cache)
     forward(tiny_llama, doc, reference)
     layer = cache.layers[0]
-    assert layer.codes[0].seq_len == 200 and not layer.codes[0].stored_exactly
-    assert layer.appended == 100 and cache.get_seq_length() == 300
-    # layer 0's keys depend on the token alone, so the appended chunk matches the uncompressed cache bit for bit
-    assert torch.equal(layer.keys[:, :, 200:], reference.layers[0].keys[:, :, 200:])
+    assert layer.holding and not layer.codes and cache.get_seq_length() == 300
+    assert torch.equal(layer.keys, reference.layers[0].keys)  # layer 0's keys depend on the token alone
+    cache.compress()
+    assert layer.codes[0].seq_len == 300 and not layer.codes[0].stored_exactly and layer.appended == 0
     coded = layer.codes[0].coded_pos
     assert not torch.equal(layer.keys[:, :, coded], reference.layers[0].keys[:, :, coded])
 

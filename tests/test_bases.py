@@ -69,6 +69,7 @@ def test_identity_round_trip_and_load_into_the_cache(tmp_path, tiny_gemma3):
         ids = torch.randint(2, 128, (1, 400), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             tiny_gemma3(input_ids=ids, past_key_values=cache, use_cache=True)
+            cache.compress()
         assert cache.layers[1].codes and not cache.layers[1].codes[0].stored_exactly
     finally:
         unbind(tiny_gemma3)

@@ -192,7 +192,9 @@ def test_recommended_preset_end_to_end_compact_equals_materialized(tmp_path, tin
             assert cache.config.balance == "rms"
             with torch.no_grad():
                 tiny_llama(input_ids=ids, past_key_values=cache, use_cache=True)
+                cache.compress()
                 logits[storage] = tiny_llama(input_ids=ids[:, -1:] + 1, past_key_values=cache).logits
+                cache.compress()
             assert not cache.layers[0].codes[0].stored_exactly
             assert cache.footprint().prompt_fraction <= 0.3 + 1e-3
     finally:
@@ -209,6 +211,7 @@ def test_balance_without_a_spectrum_says_how_to_get_one(tmp_path, tiny_llama):
         cache = VarRateCache.from_pretrained(tmp_path, model=tiny_llama, balance="rms", budget=0.3)
         with pytest.raises(ValueError, match="spectrum.*recalibrate"), torch.no_grad():
             tiny_llama(input_ids=ids, past_key_values=cache, use_cache=True)
+            cache.compress()
     finally:
         unbind(tiny_llama)
 
@@ -237,6 +240,7 @@ def test_default_preset_falls_back_to_no_balance_on_bases_without_a_spectrum(tmp
         assert cache.config.balance == "none" and cache.config.coef_bits == 4  # the rest of the preset stays
         with torch.no_grad():
             tiny_llama(input_ids=ids, past_key_values=cache, use_cache=True)  # compresses instead of failing
+            cache.compress()
         assert not cache.layers[0].codes[0].stored_exactly
     finally:
         unbind(tiny_llama)
@@ -264,6 +268,7 @@ def test_a_saved_balanced_cache_reloads_only_with_the_same_spectrum(tmp_path, ti
         cache = VarRateCache(bases, VarRateConfig.preset("recommended", budget=0.3), model=bind(tiny_llama))
         with torch.no_grad():
             tiny_llama(input_ids=ids, past_key_values=cache, use_cache=True)
+            cache.compress()
             want = tiny_llama(input_ids=ids[:, -1:], past_key_values=copy.deepcopy(cache)).logits
         cache.save_pretrained(tmp_path / "cache")
         loaded = VarRateCache.load(tmp_path / "cache", model=tiny_llama, bases=bases)
@@ -320,6 +325,7 @@ def test_spectrum_layer_budgets_move_rank_and_keep_the_total(tiny_llama, storage
                                     layer_budgets=mode, storage=storage)
         with bound(tiny_llama), torch.no_grad():
             tiny_llama(input_ids=ids, past_key_values=caches[mode])
+            caches[mode].compress()
     rank = {m: [int(c.layers[i].codes[0].ranks.long().sum()) for i in (0, 1)] for m, c in caches.items()}
     assert rank["spectrum"][1] > rank["uniform"][1] and rank["spectrum"][0] < rank["uniform"][0]
     assert sum(rank["spectrum"]) <= sum(rank["uniform"])  # shared, not added
@@ -336,3 +342,4 @@ def test_spectrum_layer_budgets_need_a_spectrum_and_the_fast_path(tiny_llama):
     cache = VarRateCache(Bases.identity(tiny_llama.config), model=tiny_llama, budget=0.3, layer_budgets="spectrum")
     with bound(tiny_llama), torch.no_grad(), pytest.raises(ValueError, match="spectrum.*layer_budgets='uniform'"):
         tiny_llama(input_ids=torch.randint(2, 128, (1, 300)), past_key_values=cache)
+        cache.compress()

@@ -4,7 +4,8 @@ import copy
 
 import pytest
 import torch
-from transformers import AttentionInterface, DynamicCache
+from transformers import (AttentionInterface, AutoModelForCausalLM, DynamicCache, LlamaConfig, MistralConfig,
+                          Phi3Config)
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import hf_varrate
@@ -104,6 +105,26 @@ def test_hook_ignores_other_caches(tiny_llama):
 def test_bind_rejects_models_without_attention():
     with pytest.raises(ValueError, match="no attention module"):
         hf_varrate.bind(torch.nn.Linear(2, 2))
+
+
+def test_a_fused_qkv_model_is_refused_naming_the_family():
+    config = Phi3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+    model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match="fused qkv_proj \\(Phi-3 style\\)"):
+        hf_varrate.bind(model)
+
+
+def test_a_model_whose_every_layer_slides_is_a_clear_error():
+    config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=16)
+    with pytest.raises(ValueError, match="every layer .* sliding-window attention.*Mistral-7B-v0.1"):
+        Bases.identity(config)
+    model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match="full-attention layers only"):
+        VarRateCache(Bases.identity(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                num_hidden_layers=2, num_attention_heads=4,
+                                                num_key_value_heads=2)), model=model)
 
 
 def test_key_padding_reads_bool_float_and_absent_masks():

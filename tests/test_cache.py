@@ -42,6 +42,7 @@ def test_compression_runs_and_meets_the_budget(tiny_llama):
     cache = make_cache(tiny_llama, budget=0.4)
     with torch.no_grad():
         tiny_llama(ids, past_key_values=cache)
+        cache.compress()
     fp = cache.footprint()
     assert 0.38 <= fp.fraction <= 0.4 * 1.005
     layer = cache.layers[0]
@@ -56,6 +57,7 @@ def test_prefill_attends_exact_kv_and_later_reads_see_the_reconstruction(tiny_ll
     with torch.no_grad():
         exact = tiny_llama(ids, past_key_values=reference).logits
         compressed = tiny_llama(ids, past_key_values=cache).logits
+        cache.compress()
     torch.testing.assert_close(compressed, exact)  # the prefill's own attention is untouched
     code, stored, ref_keys = cache.layers[0].codes[0], cache.layers[0].keys, reference.layers[0].keys
     assert torch.equal(stored[:, :, code.exact_pos], ref_keys[:, :, code.exact_pos])  # bit for bit
@@ -68,9 +70,11 @@ def test_tokens_after_the_prefill_are_stored_exactly(tiny_llama):
     reference = DynamicCache(config=tiny_llama.config)
     with torch.no_grad():
         tiny_llama(ids, past_key_values=cache)
+        cache.compress()
         tiny_llama(ids, past_key_values=reference)
         follow = prompt(tiny_llama, 5, seed=1)
         tiny_llama(follow, past_key_values=cache)
+        cache.compress()
     assert cache.get_seq_length() == 305 and cache.layers[0].appended == 5
     # the appended K/V equal what a clean cache computes for them given the same (compressed) past
     assert cache.layers[0].keys.shape[-2] == 305
@@ -82,12 +86,14 @@ def test_deepcopy_reuse_equals_fresh_compress_then_ask(tiny_llama):
     base = make_cache(tiny_llama, budget=0.4)
     with torch.no_grad():
         tiny_llama(doc, past_key_values=base)
+        base.compress()
     for q in questions:
         ids = torch.cat([doc, q], dim=1)
         reused = greedy(tiny_llama, ids, copy.deepcopy(base))
         fresh = make_cache(tiny_llama, budget=0.4)
         with torch.no_grad():
             tiny_llama(doc, past_key_values=fresh)
+            fresh.compress()
         assert torch.equal(reused, greedy(tiny_llama, ids, fresh))
     assert base.get_seq_length() == 300  # the original is untouched
 
@@ -96,6 +102,7 @@ def test_deepcopy_shares_bases_and_copies_state(tiny_llama):
     cache = make_cache(tiny_llama, budget=0.4)
     with torch.no_grad():
         tiny_llama(prompt(tiny_llama, 300), past_key_values=cache)
+        cache.compress()
     clone = copy.deepcopy(cache)
     assert clone.bases is cache.bases and clone.layers[0].bases is cache.layers[0].bases
     assert clone.layers[0].keys is not cache.layers[0].keys
@@ -128,6 +135,7 @@ def test_left_padded_batch_codes_each_row_like_alone(tiny_llama):
     alone = make_cache(tiny_llama, budget=0.4)
     with torch.no_grad():
         tiny_llama(short, past_key_values=alone)
+        alone.compress()
     assert (layer.codes[1].ranks.long() - alone.layers[0].codes[0].ranks.long()).abs().max() <= 1
     single = greedy(tiny_llama, short, make_cache(tiny_llama, budget=0.4))
     assert torch.equal(out[1, -8:], single[0, -8:])
@@ -139,6 +147,7 @@ def test_short_prompt_is_stored_exactly_with_one_warning(tiny_llama):
         warnings.simplefilter("always")
         with torch.no_grad():
             tiny_llama(prompt(tiny_llama, 100), past_key_values=cache)
+            cache.compress()
     assert sum(issubclass(w.category, VarRateWarning) for w in caught) == 1
     assert cache.footprint().fraction == 1.0 and cache.layers[0].rows_stored_exactly == 1
 
@@ -147,7 +156,9 @@ def test_crop_reset_reorder_select(tiny_llama):
     cache = make_cache(tiny_llama, budget=0.4)
     with torch.no_grad():
         tiny_llama(prompt(tiny_llama, 300, batch=2), past_key_values=cache)
+        cache.compress()
         tiny_llama(prompt(tiny_llama, 4, batch=2, seed=9), past_key_values=cache)
+        cache.compress()
     layer = cache.layers[0]
     full = cache.footprint().bytes
     cache.crop(-2)

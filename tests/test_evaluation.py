@@ -49,6 +49,28 @@ def test_bootstrap_ci_of_constant_and_seeded():
     assert low < 0.7 < high and 0.3 <= low and high <= 1.0
 
 
+@pytest.mark.parametrize("n", [1, 10, 50, 100, 200])
+def test_sign_test_is_scipys_binomial_test(n):
+    from scipy.stats import binomtest
+
+    for wins in range(0, n + 1, max(1, n // 10)):
+        assert sign_test(wins, n - wins) == pytest.approx(binomtest(wins, n, 0.5).pvalue, rel=1e-12, abs=1e-300)
+
+
+@pytest.mark.parametrize("n, seed", [(2, 0), (17, 1), (48, 2), (100, 3)])
+def test_bootstrap_draws_what_the_committed_tables_were_made_with(n, seed):
+    """scipy's resampling, batch by batch, is the hand-written one the committed tables came from: same
+    draws from the same seeded Generator, same means, same percentiles, to the last bit."""
+    import numpy as np
+
+    data = np.random.default_rng(seed).normal(size=n) * 0.01
+    rng, means = np.random.default_rng(0), np.empty(20_000)
+    for start in range(0, 20_000, 2_000):
+        means[start:start + 2_000] = data[rng.integers(0, n, size=(2_000, n))].mean(axis=1)
+    tail = (1.0 - 0.95) / 2 * 100
+    assert bootstrap_mean_ci(data) == tuple(float(v) for v in np.percentile(means, [tail, 100 - tail]))
+
+
 def test_paired_comparison_counts_and_verdict():
     result = paired_comparison([1, 1, 1, 0], [0, 0, 0, 0])
     assert (result.n, result.wins, result.losses, result.ties) == (4, 3, 0, 1)
@@ -328,6 +350,7 @@ def test_fp16_fraction_counts_the_bytes_an_fp16_cache_would_hold(tiny_llama):
     with bound(tiny_llama), torch.no_grad():
         tiny_llama(input_ids=torch.randint(2, 128, (1, 600), generator=torch.Generator().manual_seed(0)),
                    past_key_values=cache)
+        cache.compress()
     fraction = fp16_fraction(cache)["fraction_fp16"]
     assert 0.25 < fraction <= 0.3 + 1e-9  # met in fp16 terms ...
     assert cache.footprint().prompt_fraction < 0.2  # ... which the fp32 cache undercuts

@@ -22,6 +22,7 @@ def compressed(model, storage="materialized", doc_len=300, **overrides):
     cache = make(model, storage, **overrides)
     with torch.no_grad():
         model(prompt(model, doc_len), past_key_values=cache)
+        cache.compress()
     return cache
 
 
@@ -68,6 +69,7 @@ def test_after_a_conversation_the_appended_tokens_come_back(tiny_llama, tmp_path
     follow = torch.cat([first, prompt(tiny_llama, 4, seed=5)], dim=1)
     with torch.no_grad():
         a = tiny_llama(follow[:, -5:], past_key_values=cache).logits
+        cache.compress()
         b = tiny_llama(follow[:, -5:], past_key_values=loaded).logits
     assert torch.equal(a, b)
 
@@ -79,12 +81,14 @@ def test_left_padded_batch_round_trips(tiny_llama, tmp_path):
     cache = make(tiny_llama, "compact")
     with torch.no_grad():
         tiny_llama(ids, attention_mask=mask, past_key_values=cache)
+        cache.compress()
     cache.save_pretrained(tmp_path)
     loaded = VarRateCache.load(tmp_path, model=tiny_llama, storage="materialized")
     step, full_mask = prompt(tiny_llama, 1, batch=2, seed=7), torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
     positions = torch.tensor([[320], [260]])
     with torch.no_grad():
         a = tiny_llama(step, attention_mask=full_mask, position_ids=positions, past_key_values=cache).logits
+        cache.compress()
         b = tiny_llama(step, attention_mask=full_mask, position_ids=positions, past_key_values=loaded).logits
     assert torch.equal(a, b)
 
@@ -97,12 +101,14 @@ def test_right_padded_batch_round_trips(tiny_llama, tmp_path):
     cache = make(tiny_llama, "compact")
     with torch.no_grad():
         tiny_llama(ids, attention_mask=mask, past_key_values=cache)
+        cache.compress()
     cache.save_pretrained(tmp_path)
     loaded = VarRateCache.load(tmp_path, model=tiny_llama)
     step, full_mask = prompt(tiny_llama, 1, batch=2, seed=7), torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
     positions = torch.tensor([[300], [260]])
     with torch.no_grad():
         a = tiny_llama(step, attention_mask=full_mask, position_ids=positions, past_key_values=cache).logits
+        cache.compress()
         b = tiny_llama(step, attention_mask=full_mask, position_ids=positions, past_key_values=loaded).logits
     assert torch.equal(a, b)
 
@@ -166,6 +172,7 @@ def test_bases_from_a_relative_folder_are_found_again_from_anywhere(tiny_llama, 
     cache = VarRateCache.from_pretrained("bases", model=tiny_llama, **{**SMALL, "budget": 0.4})
     with torch.no_grad():
         tiny_llama(prompt(tiny_llama, 300), past_key_values=cache)
+        cache.compress()
     expected = answer(tiny_llama, copy.deepcopy(cache))
     cache.save_pretrained(tmp_path / "doc")
     elsewhere = tmp_path / "elsewhere"
@@ -202,6 +209,7 @@ def test_real_smollm2_save_load_answer(smollm2, tmp_path):
         cache = VarRateCache(Bases.identity(model.config), model=model, budget=0.3, storage="compact")
         with torch.no_grad():
             model(doc, past_key_values=cache)
+            cache.compress()
             expected = model.generate(ids, max_new_tokens=5, do_sample=False, past_key_values=copy.deepcopy(cache),
                                       pad_token_id=2, attention_mask=torch.ones_like(ids))
         cache.save_pretrained(tmp_path)

@@ -119,12 +119,14 @@ def test_soak_cycles_on_copies_are_deterministic_flat_and_leave_the_original_alo
     base = tiny_cache(tiny_llama, storage)
     with torch.no_grad():
         tiny_llama(doc, past_key_values=base)
+        base.compress()
     assert not base.layers[0].codes[0].stored_exactly
     result = soak(tiny_llama, base, doc, questions, cycles)
     for i, q in enumerate(questions):  # a copy answers as a cache compressed afresh
         fresh = tiny_cache(tiny_llama, storage)
         with torch.no_grad():
             tiny_llama(doc, past_key_values=fresh)
+            fresh.compress()
         assert ask(tiny_llama, fresh, torch.cat([doc, q], dim=1), 4, 0) == result["answers"][i]
 
 
@@ -138,6 +140,7 @@ def test_two_caches_on_one_bound_model_from_two_threads_answer_as_sequentially(t
             barrier.wait()  # both prefills (and so both hooks) run at once
         with torch.no_grad():
             tiny_llama(docs[t], past_key_values=cache)
+            cache.compress()
         return [ask(tiny_llama, copy.deepcopy(cache), torch.cat([docs[t], q], dim=1), 6, 0) for q in questions[t]]
 
     sequential = [session(0), session(1)]
@@ -175,6 +178,7 @@ def test_soak_smollm2_with_shipped_bases(smollm2):
         base = VarRateCache.from_pretrained("smollm2-135m-instruct", model=model)
         with torch.no_grad():
             model(doc, past_key_values=base)
+            base.compress()
         result = soak(model, base, doc, questions, cycles, new=10, pad=tokenizer.eos_token_id, log=print)
     finally:
         hf_varrate.unbind(model)

@@ -78,6 +78,7 @@ def test_compact_prompt_stays_within_the_budget_and_materialized_holds_more(tiny
     for cache in caches.values():
         with torch.no_grad():
             tiny_llama(prompt(tiny_llama, 600), past_key_values=cache)
+            cache.compress()
     compact, materialized = caches["compact"].footprint(), caches["materialized"].footprint()
     assert compact.held_bytes <= (0.3 + 0.005) * compact.full_bytes
     assert materialized.held_bytes > compact.full_bytes  # full K/V plus the codes
@@ -91,7 +92,9 @@ def test_crop_reorder_select_match_materialized(tiny_llama):
     for storage, cache in caches.items():
         with torch.no_grad():
             tiny_llama(ids, past_key_values=cache)
+            cache.compress()
             tiny_llama(more, past_key_values=cache)
+            cache.compress()
             cache.crop(-2)  # appended tokens only
             assert cache.get_seq_length() == 302
             cache.crop(-12)  # into the compressed prompt
@@ -102,6 +105,7 @@ def test_crop_reorder_select_match_materialized(tiny_llama):
             step = prompt(tiny_llama, 3, batch=2, seed=11)
             positions = torch.arange(290, 293)[None].expand(2, -1)
             nexts[storage] = tiny_llama(step, past_key_values=cache, position_ids=positions).logits
+            cache.compress()
     assert torch.equal(nexts["materialized"], nexts["compact"])
     compact = caches["compact"]
     assert compact.get_seq_length() == 293
@@ -116,11 +120,13 @@ def test_deepcopy_reuse_in_compact_storage(tiny_llama):
     base = make(tiny_llama, "compact")
     with torch.no_grad():
         tiny_llama(doc, past_key_values=base)
+        base.compress()
     for seed in (1, 2):
         ids = torch.cat([doc, prompt(tiny_llama, 6, seed=seed)], dim=1)
         fresh = make(tiny_llama, "materialized")
         with torch.no_grad():
             tiny_llama(doc, past_key_values=fresh)
+            fresh.compress()
         assert torch.equal(greedy(tiny_llama, ids, copy.deepcopy(base)), greedy(tiny_llama, ids, fresh))
     assert base.get_seq_length() == 300 and base.layers[0].appended == 0
 
@@ -131,6 +137,7 @@ def test_switching_storage_in_place_keeps_the_tokens(tiny_llama):
     cache = make(tiny_llama, "materialized")
     with torch.no_grad():
         tiny_llama(doc, past_key_values=cache)
+        cache.compress()
     expected = greedy(tiny_llama, ids, copy.deepcopy(cache))
     cache.set_storage("compact")
     assert all(layer.compact and isinstance(layer, CompactLayer) for layer in cache.layers)  # layers swapped
@@ -155,6 +162,7 @@ def test_compact_falls_back_to_materialized_when_positions_are_not_0_to_n(tiny_l
     with warnings.catch_warnings(record=True) as caught, torch.no_grad():
         warnings.simplefilter("always")
         tiny_llama(ids, past_key_values=cache, position_ids=torch.arange(7, 307)[None])
+        cache.compress()
     assert any(issubclass(w.category, VarRateWarning) and "falls back" in str(w.message) for w in caught)
     assert all(layer.storage == "materialized" and not layer.compact for layer in cache.layers)
     assert cache.layers[0].keys.shape[-2] == 300

@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-from ..architecture import describe
+from ..architecture import check_compressible, describe
 from ..bases import Bases, layout_metadata
 from ..config import VarRateConfig
 from .collect import ResidualSettings, run_contexts
@@ -34,7 +34,7 @@ def calibrate(model, contexts: list[torch.Tensor], *, rank: int | None = None, c
     if not contexts:
         raise ValueError("calibrate needs at least one context")
     config = config or VarRateConfig()
-    shape = describe(model.config)
+    shape = check_compressible(describe(model.config))
     rank = min(DEFAULT_RANK, shape.width) if rank is None else rank
     if not 1 <= rank <= shape.width:
         raise ValueError(f"rank must be in [1, {shape.width}] (the joint width D = 2*H*d), got {rank}")

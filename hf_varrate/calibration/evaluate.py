@@ -72,6 +72,7 @@ def _run_both(model, bases, config, ids):
     with torch.no_grad():
         model(input_ids=ids, use_cache=True, logits_to_keep=1, **{name: exact})
         model(input_ids=ids, use_cache=True, logits_to_keep=1, **{name: cache})
+        cache.compress()
     return exact, cache
 
 

@@ -1,6 +1,7 @@
 """A VarRateCache's full-attention layers: one class per storage mode, sharing the prefill."""
 
-from .base import UNBOUND_MESSAGE, LayerFootprint, PrefillContext, VarRateLayer
+from .base import UNBOUND_MESSAGE, LayerFootprint, VarRateLayer
+from .context import PrefillContext
 from .compact import CompactLayer
 from .materialized import MaterializedLayer
 

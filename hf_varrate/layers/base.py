@@ -1,15 +1,18 @@
 """`VarRateLayer`: what both storage modes of a full-attention layer share, the prefill above all.
 
-Orchestration only; the arithmetic is in `hf_varrate.codec`. The layer's first update with more than
-one token is the prefill: the prefill's own attention gets the exact K/V it was given, the layer
-codes the prompt (`_prefill`), and every later token is stored exactly. How the coded prompt is held
-is the subclass's one job (`MaterializedLayer`, `CompactLayer`): `_store` at the prefill, `_append`
+Orchestration only; the arithmetic is in `hf_varrate.codec`. The prompt is what arrives in
+multi-token forwards while the layer is empty (one prefill, or a chunked prefill's chunks): it is held
+exactly, and its forwards attend to it exactly, until it is complete: at the first one-token forward
+(decoding), or when the cache is asked (`VarRateCache.compress`, and what reads or copies the codes).
+Then the layer codes it as one prompt (`finish_prompt`), and every later token is stored exactly. How
+the coded prompt is held is the subclass's one job (`MaterializedLayer`, `CompactLayer`): `_store` at the prefill, `_append`
 afterwards, `read`, `exact_tokens`, `footprint` and `crop`. A cache switches storage by swapping
 layer objects (`from_layer`); a saved cache's layers round-trip through `to_tensors` / `from_tensors`.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -21,25 +24,12 @@ from ..config import VarRateConfig
 from ..errors import CacheFileError
 from ..rotary import RopeMemo, RotaryFrequencies
 from .rows import Row, all_finite, row_inputs, slots_of
+from .context import PrefillContext, crop_context, merge_contexts, select_context
 
 UNBOUND_MESSAGE = (
     "VarRateCache needs the model bound to it to see the prefill's queries: build the cache with "
     "VarRateCache.from_pretrained(bases, model=model) or call hf_varrate.bind(model) before generate()"
 )
-
-
-@dataclass
-class PrefillContext:
-    """What a layer needs at its prefill that only the attention module can see.
-
-    queries [B, Hq, W, d] post-RoPE; cos, sin [B or 1, S, d]; key_valid [B, S] bool or None (no padding).
-    """
-
-    queries: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-    scaling: float
-    key_valid: torch.Tensor | None
 
 
 @dataclass
@@ -60,6 +50,22 @@ class LayerFootprint:
     def prompt_fraction(self) -> float:
         full = self.full_bytes - self.appended_bytes
         return (self.bytes - self.appended_bytes) / full if full else 1.0
+
+
+# transformers < 5.24 crops to a length (crop(max_length), negative: remove that many); newer ones remove
+# tokens (crop(tokens_to_remove), negative; 0 does nothing; positive is an error). Layers follow the installed one.
+CROP_KEEPS_LENGTH = "max_length" in inspect.signature(DynamicLayer.crop).parameters
+
+
+def kept_after_crop(length: int, tokens: int) -> int:
+    """How many of `length` tokens `crop(tokens)` keeps, read as the installed DynamicLayer.crop reads it."""
+    if tokens < 0:
+        return max(length + tokens, 0)
+    if CROP_KEEPS_LENGTH:
+        return min(tokens, length)
+    if tokens > 0:
+        raise ValueError(f"crop takes a negative number of tokens to remove (transformers >= 5.24), got {tokens}")
+    return length
 
 
 class VarRateLayer(DynamicLayer):
@@ -84,7 +90,8 @@ class VarRateLayer(DynamicLayer):
         self._reset_state()
 
     def _reset_state(self):
-        self.prefill_context: PrefillContext | None = None
+        self.prefill_context: PrefillContext | None = None  # this forward's, handed over by the binding hook
+        self.held_context: PrefillContext | None = None  # the held prompt's, merged over its forwards
         self.prefilled = False
         self.codes: list[PromptCode] = []
         self.spans: list = []
@@ -138,8 +145,10 @@ class VarRateLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if not self.prefilled and key_states.shape[-2] > 1:
-            return self._prefill(key_states, value_states)
-        if not self.prefilled:  # a one-token start: nothing to code, a plain DynamicLayer from here on
+            return self._hold(key_states, value_states)
+        if self.holding:  # decoding starts: the prompt is complete
+            self.finish_prompt()
+        elif not self.prefilled:  # a one-token start: nothing to code, a plain DynamicLayer from here on
             self.prefilled = True
             return super().update(key_states, value_states)
         self.appended += key_states.shape[-2]
@@ -148,7 +157,13 @@ class VarRateLayer(DynamicLayer):
     def _append(self, key_states, value_states, coded_read: bool):
         return super().update(key_states, value_states)
 
-    def _prefill(self, keys, values):
+    @property
+    def holding(self) -> bool:
+        """Whether a prompt is held exactly, to be coded when it is complete (`finish_prompt`)."""
+        return self.held_context is not None and not self.prefilled
+
+    def _hold(self, keys, values):
+        """A prompt, or one chunk of it: held exactly (the prefill attends to exact K/V) until it is complete."""
         context, self.prefill_context = self.prefill_context, None
         if context is None:
             raise RuntimeError(UNBOUND_MESSAGE)
@@ -157,14 +172,24 @@ class VarRateLayer(DynamicLayer):
                 f"layer {self.layer_idx}: keys or values contain NaN or inf at the prefill; VarRate refuses to "
                 f"code them. Check the model's dtype (fp16 overflow?) and inputs"
             )
-        self.prefilled = True  # only now: after a refused prefill the cache still awaits one (a retry compresses)
+        held = self.held_context
+        self.held_context = context if held is None else merge_contexts(held, context, self.config.obs_window)
+        return DynamicLayer.update(self, keys, values)
+
+    def finish_prompt(self) -> None:
+        """Code the held prompt: every multi-token forward since the layer was empty, as if it had come in one
+        (the window queries are the last `obs_window` of them all). Does nothing when no prompt is held."""
+        if not self.holding:
+            return
+        context, self.held_context = self.held_context, None
+        keys, values = self.keys, self.values
+        self.prefilled = True
         self.prompt_len = self.prompt_kept = keys.shape[-2]
         rows = [row_inputs(context, b, keys, values) for b in range(keys.shape[0])]
         self.offsets = [self._rope_offset(row) for row in rows]
         coding = self.bases.coding_basis(self.layer_idx, self.config.balance, keys.device)  # (basis, scales)
         share = self.bases.layer_share(self.layer_idx, self.config)  # per-layer budgets, or None
         self._store(rows, coding, context.scaling, keys, values, share)
-        return keys, values  # the prefill attends to the exact K/V
 
     def _store(self, rows: list[Row], coding, scaling: float, keys, values, share) -> None:
         """Code every row's prompt and hold the result (this storage mode's way)."""
@@ -177,15 +202,14 @@ class VarRateLayer(DynamicLayer):
         start = row.span[0] if isinstance(row.span, tuple) else int(row.span[0])
         return self.rope.offset_of(row.cos, row.sin, (0, start) if start else (0,))
 
-    def rope_known(self, keys: torch.Tensor | None = None) -> str | None:
+    def rope_known(self) -> str | None:
         """Why compact storage could not re-rotate this layer's keys with recomputed RoPE tables (they must be
-        the model's, bit for bit), or None if it can: for the coded prompt, or, given the prefill's `keys`,
-        for the prefill about to run (its context set by the binding hook)."""
+        the model's, bit for bit), or None if it can: for the coded prompt, or for the held one."""
         if self.rope is None:
             return "the cache has no rotary frequencies (build it with model=model)"
         offsets = self.offsets
-        if keys is not None and self.prefill_context is not None:
-            rows = [row_inputs(self.prefill_context, b, keys, keys) for b in range(keys.shape[0])]
+        if self.holding:
+            rows = [row_inputs(self.held_context, b, self.keys, self.values) for b in range(self.keys.shape[0])]
             offsets = [self._rope_offset(row) for row in rows]
         if any(offset is None for offset in offsets):
             return "the model's RoPE tables are not consecutive positions of its inv_freq (custom position ids?)"
@@ -219,13 +243,24 @@ class VarRateLayer(DynamicLayer):
         self.is_initialized = False
         self._reset_state()
 
-    def crop(self, tokens_to_remove: int) -> None:
-        """DynamicLayer's crop, keeping the prompt / appended bookkeeping (a crop may reach into the prompt)."""
+    def crop(self, tokens: int) -> None:
+        """DynamicLayer's crop, keeping the prompt / appended bookkeeping (a crop may reach into the prompt);
+        cropped to nothing, the layer awaits a new prompt."""
         length = self.get_seq_length()
-        super().crop(tokens_to_remove)
+        super().crop(tokens)
+        if self.is_initialized and self.get_seq_length() == 0:
+            self._empty()
+            return
+        if self.holding:
+            self.held_context = crop_context(self.held_context, self.get_seq_length())
         removed = length - self.get_seq_length()
         self.prompt_kept = min(self.prompt_kept, self.get_seq_length())
         self.appended = max(self.appended - removed, 0)
+
+    def _empty(self) -> None:
+        """No tokens held: empty K/V (dtype and device kept) and no codes, awaiting a new prompt."""
+        self.keys, self.values = self.keys[..., :0, :].clone(), self.values[..., :0, :].clone()
+        self._reset_state()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._index_rows(beam_idx)
@@ -247,6 +282,8 @@ class VarRateLayer(DynamicLayer):
             self.values = self.values.index_select(0, rows.to(self.values.device))
 
     def _select_rows(self, rows: list[int]) -> None:
+        if self.holding:
+            self.held_context = select_context(self.held_context, rows)
         if self.codes:
             self.codes = [self.codes[i] for i in rows]
             self.spans = [self.spans[i] for i in rows]

@@ -13,7 +13,7 @@ import torch
 
 from ..attention import CodedRead
 from ..codec import PromptCode, attend_codes, compress_prompt, decode_prompt, matmul_dtype, tensor_bytes
-from .base import LayerFootprint, VarRateLayer
+from .base import LayerFootprint, VarRateLayer, kept_after_crop
 from .rows import covers, slots_of
 
 
@@ -149,13 +149,18 @@ class CompactLayer(VarRateLayer):
         held += sum(tensor_bytes(span) for span in self.spans if torch.is_tensor(span))
         return LayerFootprint(self.layer_idx, "varrate", held, full, self.rows_stored_exactly, tail, held)
 
-    def crop(self, tokens_to_remove: int) -> None:
+    def crop(self, tokens: int) -> None:
+        """Crop as the installed transformers' DynamicLayer.crop reads `tokens` (`kept_after_crop`); a crop into
+        the prompt keeps its codes and reads fewer of them."""
         if not self.codes:
-            super().crop(tokens_to_remove)
+            super().crop(tokens)
             return
-        if tokens_to_remove > 0:
-            raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
-        removed = min(-tokens_to_remove, self.get_seq_length())
+        length = self.get_seq_length()
+        keep = kept_after_crop(length, tokens)
+        if keep == 0:  # nothing left: the next prompt is a new one, coded afresh
+            self._empty()
+            return
+        removed = length - keep
         from_tail = min(removed, self.appended)
         self.keys, self.values = self._tail(self.keys, self.values, self.appended - from_tail)
         self.appended -= from_tail
