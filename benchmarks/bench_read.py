@@ -2,7 +2,7 @@
 
 Builds a compact cache (replayed from one captured prefill, as bench_decode.py does) and times, for
 each layer that attends over its codes, the whole read (`VarRateLayer.attend`, one query token) and
-the part of it that turns the stored coefficients into matmul operands (`attend._pieces`: unpack,
+the part of it that turns the stored coefficients into matmul operands (`attend.code_pieces`: unpack,
 scale, shift, round to the matmul dtype), each with the C loops of `hf_varrate.codec.native` (the
 library's path where they are built) and with PyTorch only (`native.disabled()`). For 4-bit codes it
 also times fbgemm's fused 4-bit row-wise kernel (`torch.ops.quantized.embedding_bag_4bit_rowwise_offsets`,
@@ -77,7 +77,7 @@ def time_layer(layer, query: torch.Tensor, head_dim: int, repeats: int) -> dict:
     for path, context in (("c", contextlib.nullcontext), ("torch", native.disabled)):
         with context():
             row[f"read_ms_{path}"] = median_ms(lambda: layer.attend(query, None, head_dim**-0.5), repeats)
-            row[f"codes_ms_{path}"] = median_ms(lambda: attend._pieces(code, code_layout(code), mm_dtype), repeats)
+            row[f"codes_ms_{path}"] = median_ms(lambda: attend.code_pieces(code, code_layout(code), mm_dtype), repeats)
     kernel = fused_kernel(code)
     row["fused_codes_ms"] = median_ms(kernel, repeats) if kernel else None
     common.log(f"layer {layer.layer_idx}: read {row['read_ms_c']:.2f} ms (PyTorch only {row['read_ms_torch']:.2f}), "

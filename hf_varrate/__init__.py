@@ -4,6 +4,16 @@ Importing this package changes nothing in transformers except that it registers 
 implementation, "varrate" (`hf_varrate.attention`: sdpa, plus attention over a compact cache's codes),
 which only models that ask for it use; `bind(model)` (or `VarRateCache.from_pretrained(...,
 model=model)`) installs the only hooks, `unbind(model)` removes them.
+
+The package is a one-way stack (tests/test_structure.py keeps it so); each floor imports only from
+the floors below it:
+
+1. errors, version, paths, files, config, signals (the salience registry), architecture
+2. codec/ (Algorithm 1 as pure tensor functions, one stage per module; its signals register themselves)
+3. rotary, card, hub (transport only), bases_checks, bases, attention
+4. layers/ (one class per storage mode over a shared prefill), then binding (the query hook)
+5. cache_checks, serialization (file I/O), then cache (`VarRateCache`)
+6. press (kvpress), calibration/, models, demo, cli
 """
 
 from .attention import ATTENTION
@@ -11,12 +21,12 @@ from .bases import Bases
 from .binding import bind, bound, is_bound, unbind
 from .cache import Footprint, VarRateCache
 from .config import VarRateConfig
-from .errors import BasesError, CacheFileError, VarRateWarning
+from .errors import BasesError, CacheFileError, CalibrationOverrideWarning, VarRateWarning
 from .layers import CompactLayer, LayerFootprint, MaterializedLayer, VarRateLayer
 from .version import __version__
 
 __all__ = [
-    "ATTENTION", "Bases", "BasesError", "CacheFileError", "CompactLayer", "Footprint", "LayerFootprint",
-    "MaterializedLayer", "VarRateCache", "VarRateConfig", "VarRateLayer", "VarRateWarning", "bind", "bound",
-    "is_bound", "unbind", "__version__",
+    "ATTENTION", "Bases", "BasesError", "CacheFileError", "CalibrationOverrideWarning", "CompactLayer", "Footprint",
+    "LayerFootprint", "MaterializedLayer", "VarRateCache", "VarRateConfig", "VarRateLayer", "VarRateWarning", "bind",
+    "bound", "is_bound", "unbind", "__version__",
 ]

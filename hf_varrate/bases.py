@@ -39,6 +39,7 @@ from .bases_checks import (  # noqa: F401 (re-exported: the artifact's names and
     check_spectrum,
     check_tensors,
     check_fits_model,
+    layout_metadata,
     looks_local,
     read_files,
     shape_metadata,
@@ -47,7 +48,7 @@ from .card import render_card
 from .codec.balance import balanced_basis
 from .codec.layer_budget import energy_shares
 from .config import VarRateConfig
-from .errors import BasesError, VarRateWarning
+from .errors import BasesError, CalibrationOverrideWarning, VarRateWarning
 from .files import replacing_folder
 from .hub import download_bases, upload_folder
 from .rotary import RotaryFrequencies
@@ -128,7 +129,7 @@ class Bases:
                 f"{changed} differ from the values these bases were calibrated with "
                 f"({ {k: calibrated[k] for k in changed} }); the residuals then follow other statistics than the "
                 f"basis was fitted to. Recalibrate with the same settings (hf-varrate calibrate --stride ...) to "
-                f"match them", VarRateWarning, stacklevel=stacklevel)
+                f"match them", CalibrationOverrideWarning, stacklevel=stacklevel)
         config = VarRateConfig.preset(preset, **{**calibrated, **overrides})
         if config.balance != "none" and "balance" not in overrides and not self.spectra:
             warnings.warn(
@@ -340,13 +341,3 @@ def push_folder(folder: str | os.PathLike, repo_id: str, *, private: bool | None
         message = commit_message or f"Upload VarRate bases for {bases.metadata.get('model_id')}"
         return upload_folder(staging, repo_id, private=private, revision=revision, token=token,
                              commit_message=message)
-
-
-def layout_metadata(model) -> dict:
-    """What a cache built without the model needs from it, to record in bases: the shape fields and the
-    compressed layers' RoPE frequencies."""
-    meta = shape_metadata(describe(model.config))
-    rope = RotaryFrequencies.from_model(model)
-    if rope is not None:
-        meta["rope"] = {"full_attention": rope.to_metadata()}
-    return meta

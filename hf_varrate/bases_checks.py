@@ -17,6 +17,7 @@ import torch
 
 from .architecture import ModelShape, describe
 from .errors import BasesError
+from .rotary import RotaryFrequencies
 
 WEIGHTS_NAME = "bases.safetensors"
 CONFIG_NAME = "config.json"
@@ -264,3 +265,13 @@ def check_fits_model(metadata: dict, tensors: dict, model_config) -> list[str]:
 
 def list_or(value):
     return list(value) if isinstance(value, (list, tuple)) else value
+
+
+def layout_metadata(model) -> dict:
+    """What a cache built without the model needs from it, to record in bases: the shape fields and the
+    compressed layers' RoPE frequencies."""
+    meta = shape_metadata(describe(model.config))
+    rope = RotaryFrequencies.from_model(model)
+    if rope is not None:
+        meta["rope"] = {"full_attention": rope.to_metadata()}
+    return meta

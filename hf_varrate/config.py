@@ -281,7 +281,7 @@ class VarRateConfig:
 # SmolLM2 needles at 2K, 24 examples, budget 0.2, query-agnostic): the highest pooled score, 21/24 (full
 # cache: 20/24; the paper's defaults: 0/24). Confirmed on a held-out split (docs/). projection_dtype 'auto'
 # joined later: bf16 matmuls where the device has them natively; the held-out reconstruction error is the
-# same to three decimals (benchmarks/presets).
+# same to three decimals (docs/results/benchmarks/presets_smollm2-135m-instruct.md).
 RECOMMENDED_PRESET = {"coef_bits": 4, "quantized_budget": "same_bytes", "anchor_share": 0.25, "balance": "rms",
                       "signal": "uniform", "projection_dtype": "auto"}
 

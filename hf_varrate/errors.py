@@ -11,6 +11,10 @@ class VarRateWarning(UserWarning):
     """Something the codec did differently from what was asked, without losing data."""
 
 
+class CalibrationOverrideWarning(VarRateWarning):
+    """A codec setting differs from the one the bases were calibrated with (kept, as asked)."""
+
+
 class BasesError(ValueError):
     """A bases artifact is missing, corrupt, or does not fit the model it meets."""
 

@@ -1,4 +1,4 @@
-"""Tier (a): issue #8's options beyond the paper, on random tensors (no model).
+"""Tier (a): the options beyond the paper, on random tensors (no model).
 
 balance, flat_floor, anchor_share, budget_dtype, the query-agnostic signals, and the presets.
 """

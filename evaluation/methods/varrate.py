@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from hf_varrate import Bases, VarRateCache, VarRateConfig, VarRateWarning
+from hf_varrate import Bases, VarRateCache, VarRateConfig
+from hf_varrate.errors import CalibrationOverrideWarning
 
 from ..capture import clock, replay
 from .base import Compressed, Context, dynamic_from_capture
@@ -60,8 +61,7 @@ class VarRateMethod:
         """`bases.config(preset, **fields)`: the spec's preset ('paper' when it names none), the bases'
         calibrated stride/window/n_anchors, then the spec's fields."""
         with warnings.catch_warnings():  # a spec that sets stride/window/n_anchors means to: an ablation
-            warnings.filterwarnings("ignore", message=".*differ from the values these bases were calibrated",
-                                    category=VarRateWarning)
+            warnings.filterwarnings("ignore", category=CalibrationOverrideWarning)
             return bases.config(self.spec.get("preset", "paper"), **self.overrides)
 
     def bases(self, ctx: Context, default: str) -> Bases:

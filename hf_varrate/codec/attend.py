@@ -55,7 +55,7 @@ def attend_codes(code: PromptCode, query, exact_keys, exact_values, tail_keys, t
     q = query.float().reshape(heads, rows, dim)
     pairs = _pair_order(dim, query.device)
     with record_function("varrate.attend_keys"):
-        pieces = _pieces(code, plan, mm_dtype)
+        pieces = code_pieces(code, plan, mm_dtype)
         scores = torch.cat((_coded_scores(pieces, neighbours, exact_keys, in_exact, anchors, coded, turns, basis_k,
                                           q[..., pairs]),
                             torch.matmul(q, exact_keys.float().transpose(1, 2)),
@@ -167,7 +167,7 @@ def _mix_codes(pieces, weights):
     return mixed
 
 
-def _pieces(code: PromptCode, plan: RankOrder | DenseOrder, dtype: torch.dtype) -> list:
+def code_pieces(code: PromptCode, plan: RankOrder | DenseOrder, dtype: torch.dtype) -> list:
     """The coefficients as matrices in `dtype`, read once: [(r0, r1, j0, j1, coefs [r1 - r0, j1 - j0])], rows
     r0:r1 of the plan's order, basis rows j0:j1. Rank blocks (`RankOrder`); each run of equal ranks, straight
     from the stream, which holds it row-major (`DenseOrder.runs`); else the dense [C, width] matrix."""
