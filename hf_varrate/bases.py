@@ -74,8 +74,8 @@ class Bases:
         self.spectra = {int(i): s.detach().to("cpu", torch.float32).contiguous() for i, s in (spectra or {}).items()}
         self._resident: dict[tuple[int, str], torch.Tensor] = {}
         self._balanced: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}  # coding spaces, per device
-        self._balanced_spectra: dict[int, torch.Tensor] = {}
-        self._energies: dict[str, tuple[torch.Tensor, dict[int, int]]] = {}
+        self._balanced_spectra: dict[tuple, torch.Tensor] = {}  # (layer, balance, key_weight) -> singular values
+        self._energies: dict[tuple, tuple[torch.Tensor, dict[int, int]]] = {}  # (balance, key_weight) -> ...
         # where `from_pretrained` read them (an absolute folder or a Hub repo id, and its revision): a saved
         # cache records it, to read the same bases again from any working directory
         self.source: str | None = None
@@ -183,13 +183,15 @@ class Bases:
         return self.spectra[layer_idx].to(device or "cpu")
 
     # coding spaces ------------------------------------------------------------------------------------
-    def coding_basis(self, layer_idx: int, balance: str, device=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The basis [R, D] fp32 a layer codes with and its half scales [D] (None: unbalanced, the paper's
-        z_t); balance='rms' derives them once per layer and device (`codec.balance.balanced_basis`)."""
+    def coding_basis(self, layer_idx: int, balance: str, device=None,
+                     key_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The basis [R, D] fp32 a layer codes with and its half scales [D] (None: unscaled, the paper's z_t);
+        balance='rms' or a key_weight other than 1 derives them once per layer and device
+        (`codec.balance.balanced_basis`)."""
         basis = self.for_layer(layer_idx, device)
-        if balance == "none":
+        if balance == "none" and key_weight == 1.0:
             return basis, None
-        key = (layer_idx, str(basis.device))
+        key = (layer_idx, str(basis.device), balance, float(key_weight))
         if key not in self._balanced:
             spectrum = self.spectrum(layer_idx)
             if spectrum is None:
@@ -198,15 +200,15 @@ class Bases:
                     f"and these have none for layer {layer_idx}; recalibrate them with this version of hf_varrate "
                     f"(hf-varrate calibrate ...) or use balance='none'"
                 )
-            balanced, scales, singular = balanced_basis(basis, spectrum)
+            balanced, scales, singular = balanced_basis(basis, spectrum, balance, key_weight)
             self._balanced[key] = balanced, scales
-            self._balanced_spectra[layer_idx] = singular
+            self._balanced_spectra[key[:1] + key[2:]] = singular
         return self._balanced[key]
 
-    def coding_energies(self, balance: str) -> tuple[torch.Tensor, dict[int, int]]:
+    def coding_energies(self, balance: str, key_weight: float = 1.0) -> tuple[torch.Tensor, dict[int, int]]:
         """(energies [L, R] of every compressed layer's coding space, {layer index: row}) for per-layer
-        budgets (`codec.layer_budget`): the shipped spectra, or the balanced space's for balance='rms'."""
-        if balance not in self._energies:
+        budgets (`codec.layer_budget`): the shipped spectra, or the scaled space's (`coding_basis`)."""
+        if (balance, key_weight) not in self._energies:
             layers = sorted(self.tensors)
             missing = [i for i in layers if self.spectrum(i) is None]
             if missing:
@@ -215,21 +217,21 @@ class Bases:
                     f"spectrum.<i>), and these have none for layers {missing[:5]}; recalibrate them with this "
                     f"version of hf_varrate (hf-varrate calibrate ...) or use layer_budgets='uniform'"
                 )
-            if balance == "none":
+            if balance == "none" and key_weight == 1.0:
                 spectra = [self.spectrum(i) for i in layers]
             else:
                 for i in layers:
-                    self.coding_basis(i, balance)
-                spectra = [self._balanced_spectra[i] for i in layers]
-            self._energies[balance] = energy_shares(spectra), {i: row for row, i in enumerate(layers)}
-        return self._energies[balance]
+                    self.coding_basis(i, balance, key_weight=key_weight)
+                spectra = [self._balanced_spectra[(i, balance, float(key_weight))] for i in layers]
+            self._energies[(balance, key_weight)] = energy_shares(spectra), {i: row for row, i in enumerate(layers)}
+        return self._energies[(balance, key_weight)]
 
     def layer_share(self, layer_idx: int, config: VarRateConfig) -> tuple[torch.Tensor, int] | None:
         """What `compress_prompt(layer_share=...)` takes for layer `layer_idx` under `config.layer_budgets`
         ('spectrum': the coding spaces' energies and this layer's row; 'uniform': None)."""
         if config.layer_budgets == "uniform":
             return None
-        energies, rows = self.coding_energies(config.balance)
+        energies, rows = self.coding_energies(config.balance, config.key_weight)
         return energies, rows[layer_idx]
 
     def __deepcopy__(self, memo):

@@ -127,6 +127,13 @@ class VarRateConfig:
                   "residual energy before anchor search and PCA (undone after decoding; needs bases with a "
                   "spectrum); 'none' codes z_t as the paper does (keys dominate its norm)."},
     )
+    key_weight: float = field(
+        default=1.0,
+        metadata={"group": "beyond", "help": "Weight of the keys against the values in z_t (after balance): the value "
+                  "half is divided by it before anchor search and PCA (undone after decoding; needs bases with a "
+                  "spectrum unless 1), so a weight above 1 moves error, and bytes, from keys to values. 1 codes "
+                  "z_t as balance leaves it."},
+    )
     flat_floor: float = field(
         default=0.0,
         metadata={"group": "beyond", "help": "Rank floor as a share of the flat rank B / C: every coded token gets at least "
@@ -198,11 +205,13 @@ class VarRateConfig:
         _check_choice("balance", self.balance, BALANCES)
         _check_choice("layer_budgets", self.layer_budgets, LAYER_BUDGETS)
         _check_choice("projection_dtype", self.projection_dtype, PROJECTION_DTYPES)
+        _check_range("key_weight", self.key_weight, 0.0, 1e6, low_open=True, fix="use e.g. key_weight=4.0 (or 1.0: off)")
         _check_range("flat_floor", self.flat_floor, 0.0, 1.0, fix="use e.g. flat_floor=0.5 (half the flat rank)")
         if self.anchor_share is not None:
             _check_range("anchor_share", self.anchor_share, 0.0, 1.0, low_open=True,
                          fix="use e.g. anchor_share=0.25, or None to keep the stride")
-        beyond = {"balance": self.balance != "none", "signal": not SIGNALS[self.signal].paper,
+        beyond = {"balance": self.balance != "none", "key_weight": self.key_weight != 1.0,
+                  "signal": not SIGNALS[self.signal].paper,
                   "layer_budgets": self.layer_budgets != "uniform",
                   "projection_dtype": self.projection_dtype != "float32"}
         if self.implementation == "reference" and any(beyond.values()):

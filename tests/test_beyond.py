@@ -167,6 +167,28 @@ def test_balance_trades_key_error_for_value_error():
     assert errors["rms"][0] > errors["none"][0]  # at the keys' expense
 
 
+def test_a_key_weight_moves_error_from_the_keys_to_the_values():
+    """key_weight > 1 divides the value half once more: at the same bytes the keys come back better and the
+    values worse than under balance alone; key_weight 1 is balance alone, bit for bit."""
+    basis, spectrum, _ = synthetic_spectrum()
+    keys, values, queries, cos, sin = make_prompt(seq_len=600, seed=3)
+    keys = keys * 10
+    config = VarRateConfig(budget=0.35, r_min=4, signal="uniform")
+    errors = {}
+    for weight in (1.0, 4.0):
+        b, s, _ = balanced_basis(basis, spectrum, "rms", weight)
+        code, k_hat, v_hat = compress_prompt(keys, values, queries, cos, sin, b, config, 0.25, scales=s)
+        coded = code.coded_pos
+        rel = lambda hat, ref: float((hat - ref)[:, :, coded].norm() / ref[:, :, coded].norm())  # noqa: E731
+        errors[weight] = (rel(k_hat, keys), rel(v_hat, values))
+    assert errors[4.0][0] < errors[1.0][0] and errors[4.0][1] > errors[1.0][1]
+    plain, plain_scales, _ = balanced_basis(basis, spectrum)
+    one, one_scales, _ = balanced_basis(basis, spectrum, "rms", 1.0)
+    assert torch.equal(plain, one) and torch.equal(plain_scales, one_scales)
+    with pytest.raises(ValueError, match="key_weight must be in"):
+        VarRateConfig(key_weight=0)
+
+
 def calibrated_like(model_config, key_energy=30.0):
     """Bases with a spectrum whose keys carry `key_energy` x the values' energy, for a tiny model."""
     from hf_varrate import Bases

@@ -1,4 +1,4 @@
-"""Key/value balance (`VarRateConfig.balance="rms"`): code z_t with equal key and value energy.
+"""Key/value balance (`VarRateConfig.balance="rms"`, `key_weight`): code z_t with chosen key and value energy.
 
 In z_t = [k~_t ; v_t] the keys carry 1.3x to 30x the values' norm, so the nearest anchors and the
 PCA basis follow the keys and the values come back with most of their error. Balancing scales the
@@ -19,20 +19,26 @@ import torch
 from .pca import principal_components
 
 
-def balanced_basis(basis: torch.Tensor, spectrum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(basis of the balanced space [R, D] fp32, scales [D] fp32, its singular values [R]) for one layer."""
+def balanced_basis(basis: torch.Tensor, spectrum: torch.Tensor, balance: str = "rms",
+                   key_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(basis of the scaled space [R, D] fp32, scales [D] fp32, its singular values [R]) for one layer.
+
+    The value half is scaled by a (balance='rms'; 1 for 'none'), divided by `key_weight`: scaling the values
+    down by w codes z = [w k ; v] up to one global factor, so a weight above 1 moves error, and with it
+    bytes, from the keys to the values (anchors, basis and group-quantized codes all follow the scaling)."""
     rank, width = basis.shape
     half = width // 2
     u = basis.double().cpu()
     moment = u.T @ (spectrum.double().cpu().square()[:, None] * u)  # Sigma [D, D]
     diagonal = moment.diagonal()
     key_energy, value_energy = float(diagonal[:half].sum()), float(diagonal[half:].sum())
-    if not (key_energy > 0 and value_energy > 0):
+    if balance == "rms" and not (key_energy > 0 and value_energy > 0):
         raise ValueError(
             f"balance='rms' needs calibration energy in both halves, got keys {key_energy:.3g} and values "
             f"{value_energy:.3g}; use balance='none' with these bases"
         )
     scales = torch.ones(width, dtype=torch.float64)
-    scales[half:] = (key_energy / value_energy) ** 0.5
+    factor = (key_energy / value_energy) ** 0.5 if balance == "rms" else 1.0
+    scales[half:] = factor / key_weight
     balanced, singular = principal_components(scales[:, None] * moment * scales[None, :], rank)
     return balanced.to(basis.device), scales.float().to(basis.device), singular.float()

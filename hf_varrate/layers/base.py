@@ -187,7 +187,7 @@ class VarRateLayer(DynamicLayer):
         self.prompt_len = self.prompt_kept = keys.shape[-2]
         rows = [row_inputs(context, b, keys, values) for b in range(keys.shape[0])]
         self.offsets = [self._rope_offset(row) for row in rows]
-        coding = self.bases.coding_basis(self.layer_idx, self.config.balance, keys.device)  # (basis, scales)
+        coding = self.bases.coding_basis(self.layer_idx, self.config.balance, keys.device, key_weight=self.config.key_weight)  # (basis, scales)
         share = self.bases.layer_share(self.layer_idx, self.config)  # per-layer budgets, or None
         self._store(rows, coding, context.scaling, keys, values, share)
 
