@@ -14,6 +14,7 @@ import traceback
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from hf_varrate.models import DEFAULT_MODELS, load_default_model
 
@@ -57,16 +58,19 @@ class Runner:
             if stages is not None and i not in stages:
                 continue
             self.wait_for_bases(stage)
-            for example in self.stage_examples(stage):
-                todo = self.todo(stage, example)
-                if not todo:
-                    continue
-                self.evaluate(stage, example, todo)
-                count += 1
-                if count % self.config.report_every == 0:
-                    self.on_progress()
-                if max_examples is not None and count >= max_examples:
-                    return
+            total = stage.n * len(stage.lengths) * len(stage.tasks)  # at most: a task may have fewer examples
+            with tqdm(self.stage_examples(stage), total=total, desc=f"stage {i} ({stage.model})", unit="example",
+                      mininterval=10, dynamic_ncols=True) as examples:
+                for example in examples:
+                    todo = self.todo(stage, example)
+                    if not todo:
+                        continue  # done in an earlier run
+                    self.evaluate(stage, example, todo)
+                    count += 1
+                    if count % self.config.report_every == 0:
+                        self.on_progress()
+                    if max_examples is not None and count >= max_examples:
+                        return
 
     def wait_for_bases(self, stage: Stage) -> None:
         """Shipped bases may still be being built by their owner: poll for them (config: wait_for_bases_s)."""
