@@ -6,18 +6,20 @@
     bases = calibrate(model, contexts, calibration=texts.name)
     bases.save_pretrained("my-bases")
 
-Command line: `python -m hf_varrate.calibration --model smollm2-135m-instruct --out my-bases`.
+Command line: `python -m hf_varrate.calibration --model smollm2-135m-instruct --out my-bases`; on several
+processes, the same under `torchrun --nproc_per_node N -m ...` (each process codes its share of the contexts).
 """
 
 from .calibrate import DEFAULT_RANK, calibrate
 from .collect import ResidualSettings, collect_residuals, layer_residuals, residual_hooks
 from .contexts import build_contexts
+from .distributed import is_main_process
 from .evaluate import ReconstructionError, reconstruction_error
 from .pca import SecondMoments, orient, principal_components
 from .texts import TextSource, load_texts
 
 __all__ = [
     "DEFAULT_RANK", "ReconstructionError", "ResidualSettings", "SecondMoments", "TextSource", "build_contexts",
-    "calibrate", "collect_residuals", "layer_residuals", "load_texts", "orient", "principal_components",
-    "reconstruction_error", "residual_hooks",
+    "calibrate", "collect_residuals", "is_main_process", "layer_residuals", "load_texts", "orient",
+    "principal_components", "reconstruction_error", "residual_hooks",
 ]

