@@ -2,34 +2,53 @@
 
 Each context starts with the tokens the tokenizer puts in front of any text (BOS for Gemma, none
 for SmolLM2), then whole documents joined by a blank line until the length is reached; the rest
-of the last document is dropped, so the next context starts at a document boundary.
+of the last document is dropped, so the next context starts at a document boundary. Documents are
+read one at a time, as needed (a streamed source is never read further than the contexts need), at most
+`max_tokens` tokens of them, under a tqdm bar counting the tokens read.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
+from tqdm.auto import tqdm
 
 SEPARATOR = "\n\n"
 
 
-def build_contexts(tokenizer, documents: list[str], num_contexts: int, context_length: int) -> list[torch.Tensor]:
-    """`num_contexts` LongTensors [context_length] from `documents`, in order."""
+def build_contexts(tokenizer, documents: Iterable[str], num_contexts: int, context_length: int, *,
+                   max_tokens: int | None = None, progress: bool = False) -> list[torch.Tensor]:
+    """`num_contexts` LongTensors [context_length] from `documents`, in order, reading at most
+    `max_tokens` tokens of text (None: as many as the contexts need)."""
     if num_contexts < 1 or context_length < 2:
         raise ValueError(f"need num_contexts >= 1 and context_length >= 2, got {num_contexts} and {context_length}")
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"max_tokens must be a positive number of tokens or None, got {max_tokens}")
     prefix = special_prefix(tokenizer)
     body = context_length - len(prefix)
     contexts: list[torch.Tensor] = []
     current: list[int] = []
-    for document in documents:
-        current.extend(tokenizer(document + SEPARATOR, add_special_tokens=False)["input_ids"])
-        if len(current) >= body:
-            contexts.append(torch.tensor(prefix + current[:body], dtype=torch.long))
-            current = []
-            if len(contexts) == num_contexts:
-                return contexts
+    read = 0
+    with tqdm(total=max_tokens, desc="reading text", unit="token", unit_scale=True, disable=not progress) as bar:
+        for document in documents:
+            ids = tokenizer(document + SEPARATOR, add_special_tokens=False)["input_ids"]
+            ids = ids if max_tokens is None else ids[: max_tokens - read]
+            read += len(ids)
+            bar.update(len(ids))
+            current.extend(ids)
+            if len(current) >= body:
+                contexts.append(torch.tensor(prefix + current[:body], dtype=torch.long))
+                current = []
+                if len(contexts) == num_contexts:
+                    return contexts
+            if max_tokens is not None and read >= max_tokens:
+                break
+    stopped = max_tokens is not None and read >= max_tokens
+    limit = f" (stopped at max_tokens={max_tokens}: raise --max-tokens)" if stopped else ""
     raise ValueError(
         f"the calibration text holds only {len(contexts)} contexts of {context_length} tokens, {num_contexts} "
-        f"asked; give more text, or lower --num-contexts or --context-length"
+        f"asked{limit}; give more text, or lower --num-contexts or --context-length"
     )
 
 

