@@ -52,9 +52,23 @@ def prompt_bytes(config: VarRateConfig, seq_len: int, width: int) -> dict:
         coefs = int(ranks.sum()) * KV_BYTES
     else:
         scales = 2 * torch.empty(0, dtype=SCALE_DTYPE).element_size()  # min and step
-        coefs = packed_bytes(int(ranks.sum()), config.coef_bits) + int(group_counts(ranks, config.coef_group).sum()) * scales
+        groups = int(group_counts(ranks, config.coef_group).sum())
+        coefs = packed_bytes(int(ranks.sum()), config.coef_bits) + groups * scales
     return {"stride": stride, "exact": n_exact * width * KV_BYTES, "meta": n_coded * meta, "meta_per_token": meta,
-            "coefs": coefs, "coded": n_coded, "mean_rank": float(ranks.float().mean())}
+            "coefs": coefs, "coded": n_coded, "mean_rank": float(ranks.float().mean()),
+            "coefficients": int(ranks.sum()), "max_rank": int(ranks.max())}
+
+
+def decode_step(row: dict, args, width: int) -> tuple[float, float]:
+    """(MB read, GFLOP) of one decode step's attention over one layer's coded prompt, the way
+    `codec.attend_codes` computes it: every coded key rebuilt from its r_t coefficients (RoPE makes
+    q.k_t depend on t), values read as (sum_t p_t c_t) V, plus q.k and p.v over the exact tokens."""
+    keys = 2 * row["coefficients"] * (width // 2)  # c_t V_k, token by token
+    values = 2 * args.query_heads * row["coefficients"]  # sum_t p_t c_t, per query head
+    scores = 4 * args.query_heads * args.seq_len * args.head_dim  # q.k and p.v over all S tokens
+    basis = row["max_rank"] * width * 2  # the rows of V the step touches (shared by every sequence)
+    read = row["exact"] + row["meta"] + row["coefs"] + basis
+    return read / 1e6, (keys + values + scores) / 1e9
 
 
 def report(args) -> None:
@@ -81,16 +95,53 @@ def report(args) -> None:
                   f"{total:.1f}{bound} | {total / full:.3f} | {free / (total * args.layers):,.0f} |")
 
 
+def report_decode(args) -> None:
+    width = 2 * args.kv_heads * args.head_dim
+    full_read = args.seq_len * width * KV_BYTES / 1e6
+    full_flops = 4 * args.query_heads * args.seq_len * args.head_dim / 1e9
+    print(f"\nOne decode step, one layer, one sequence of S = {args.seq_len} (Hq = {args.query_heads}):\n")
+    print("| budget | variant | MB read (codes + exact + basis rows) | GFLOP | FLOP per byte |")
+    print("|---|---|---|---|---|")
+    print(f"| 1 | uncompressed fp16 | {full_read:.1f} | {full_flops:.2f} | {full_flops * 1e3 / full_read:.1f} |")
+    for budget in args.budgets:
+        for name, fields in VARIANTS.items():
+            read, flops = decode_step(prompt_bytes(VarRateConfig(budget=budget, **fields), args.seq_len, width),
+                                      args, width)
+            print(f"| {budget} | {name} | {read:.1f} | {flops:.2f} | {flops * 1e3 / read:.0f} |")
+
+
+def report_restore(args) -> None:
+    """Decompressing a whole coded prompt into fp16 pages once (every layer), against prefilling it again."""
+    width = 2 * args.kv_heads * args.head_dim
+    causal = 2 * args.layers * args.query_heads * args.head_dim * args.seq_len**2  # q.k and p.v, half the square
+    prefill = (2 * args.params * args.seq_len + causal) / 1e12
+    print(f"\nRestoring one prompt of S = {args.seq_len} into fp16 K/V, all {args.layers} layers, against a new "
+          f"prefill ({prefill:.0f} TFLOP):\n")
+    print("| budget | variant | TFLOP to decode (anchor means + V^T c) | share of a prefill |")
+    print("|---|---|---|---|")
+    for budget in args.budgets:
+        for name, fields in VARIANTS.items():
+            row = prompt_bytes(VarRateConfig(budget=budget, **fields), args.seq_len, width)
+            flops = args.layers * (2 * row["coefficients"] * width + row["coded"] * args.n_anchors * width) / 1e12
+            print(f"| {budget} | {name} | {flops:.2f} | {flops / prefill:.4f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--query-heads", type=int, default=32)
+    parser.add_argument("--params", type=float, default=8.03e9, help="model parameters (prefill FLOPs)")
+    parser.add_argument("--n-anchors", type=int, default=VarRateConfig.n_anchors)
     parser.add_argument("--seq-len", type=int, default=32768, help="prompt length S (the exact window is per prompt)")
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.2])
     parser.add_argument("--gpu-gb", type=float, default=80.0, help="GPU memory, in 10^9 bytes")
     parser.add_argument("--weights-gb", type=float, default=16.06, help="model weights (8.03e9 bf16 parameters)")
-    report(parser.parse_args())
+    args = parser.parse_args()
+    report(args)
+    report_decode(args)
+    report_restore(args)
 
 
 if __name__ == "__main__":
