@@ -8,9 +8,9 @@ model=model)`) installs the only hooks, `unbind(model)` removes them.
 The package is a one-way stack (tests/test_structure.py keeps it so); each floor imports only from
 the floors below it:
 
-1. errors, version, paths, files, config, signals (the salience registry), architecture
+1. errors, version, paths, files, signals (the salience registry), config_checks, config, architecture
 2. codec/ (Algorithm 1 as pure tensor functions, one stage per module; its signals register themselves)
-3. rotary, card, hub (transport only), bases_checks, bases, attention
+3. rotary, card, hub (transport only), bases_checks, spaces (the bases' derived copies), bases, attention
 4. layers/ (one class per storage mode over a shared prefill), then binding (the query hook)
 5. cache_checks, serialization (file I/O), then cache (`VarRateCache`)
 6. press (kvpress), calibration/, models, demo, cli

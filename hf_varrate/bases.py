@@ -45,13 +45,12 @@ from .bases_checks import (  # noqa: F401 (re-exported: the artifact's names and
     shape_metadata,
 )
 from .card import render_card
-from .codec.balance import balanced_basis
-from .codec.layer_budget import energy_shares
 from .config import VarRateConfig
 from .errors import BasesError, CalibrationOverrideWarning, VarRateWarning
 from .files import replacing_folder
 from .hub import download_bases, upload_folder
 from .rotary import RotaryFrequencies
+from .spaces import CodingSpaces
 from .shipped import shipped_path
 from .version import __version__
 
@@ -72,10 +71,7 @@ class Bases:
         self.metadata = dict(metadata)
         # fp32 on the CPU from the start, so what is in memory is what a save and a load give back
         self.spectra = {int(i): s.detach().to("cpu", torch.float32).contiguous() for i, s in (spectra or {}).items()}
-        self._resident: dict[tuple[int, str], torch.Tensor] = {}
-        self._balanced: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}  # coding spaces, per device
-        self._balanced_spectra: dict[tuple, torch.Tensor] = {}  # (layer, balance, key_weight) -> singular values
-        self._energies: dict[tuple, tuple[torch.Tensor, dict[int, int]]] = {}  # (balance, key_weight) -> ...
+        self.spaces = CodingSpaces(self)  # what coding and reading derive from the stored tensors, kept
         # where `from_pretrained` read them (an absolute folder or a Hub repo id, and its revision): a saved
         # cache records it, to read the same bases again from any working directory
         self.source: str | None = None
@@ -160,16 +156,6 @@ class Bases:
         recorded = (self.metadata.get("rope") or {}).get("full_attention")
         return RotaryFrequencies.from_metadata(recorded) if recorded else None
 
-    def for_layer(self, layer_idx: int, device=None) -> torch.Tensor:
-        """fp32 [R, D] on `device`, uploaded once per device and then kept resident."""
-        device = torch.device(device) if device is not None else torch.device("cpu")
-        key = (layer_idx, str(device))
-        if key not in self._resident:
-            if layer_idx not in self.tensors:
-                raise BasesError(f"bases have no tensor for layer {layer_idx}; they cover {sorted(self.tensors)}")
-            self._resident[key] = self.tensors[layer_idx].to(device=device, dtype=torch.float32).contiguous()
-        return self._resident[key]
-
     def spectrum(self, layer_idx: int, device=None) -> torch.Tensor | None:
         """fp32 [R] calibration singular values of layer `layer_idx` (descending, row i of the basis has
         the i-th), or None when these bases carry no spectrum (identity bases, older artifacts)."""
@@ -182,57 +168,26 @@ class Bases:
                              f"{layer_idx}; pass spectra for every layer or none")
         return self.spectra[layer_idx].to(device or "cpu")
 
-    # coding spaces ------------------------------------------------------------------------------------
-    def coding_basis(self, layer_idx: int, balance: str, device=None,
-                     key_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The basis [R, D] fp32 a layer codes with and its half scales [D] (None: unscaled, the paper's z_t);
-        balance='rms' or a key_weight other than 1 derives them once per layer and device
-        (`codec.balance.balanced_basis`)."""
-        basis = self.for_layer(layer_idx, device)
-        if balance == "none" and key_weight == 1.0:
-            return basis, None
-        key = (layer_idx, str(basis.device), balance, float(key_weight))
-        if key not in self._balanced:
-            spectrum = self.spectrum(layer_idx)
-            if spectrum is None:
-                raise ValueError(
-                    f"balance={balance!r} needs bases that carry their calibration spectrum (tensors spectrum.<i>), "
-                    f"and these have none for layer {layer_idx}; recalibrate them with this version of hf_varrate "
-                    f"(hf-varrate calibrate ...) or use balance='none'"
-                )
-            balanced, scales, singular = balanced_basis(basis, spectrum, balance, key_weight)
-            self._balanced[key] = balanced, scales
-            self._balanced_spectra[key[:1] + key[2:]] = singular
-        return self._balanced[key]
+    # coding spaces: derived once and kept (`hf_varrate.spaces`) ------------------------------------
+    def for_layer(self, layer_idx: int, device=None) -> torch.Tensor:
+        """fp32 [R, D] on `device`, uploaded once per device and then kept resident."""
+        return self.spaces.basis(layer_idx, device)
 
-    def coding_energies(self, balance: str, key_weight: float = 1.0) -> tuple[torch.Tensor, dict[int, int]]:
-        """(energies [L, R] of every compressed layer's coding space, {layer index: row}) for per-layer
-        budgets (`codec.layer_budget`): the shipped spectra, or the scaled space's (`coding_basis`)."""
-        if (balance, key_weight) not in self._energies:
-            layers = sorted(self.tensors)
-            missing = [i for i in layers if self.spectrum(i) is None]
-            if missing:
-                raise ValueError(
-                    f"layer_budgets='spectrum' needs bases that carry their calibration spectrum (tensors "
-                    f"spectrum.<i>), and these have none for layers {missing[:5]}; recalibrate them with this "
-                    f"version of hf_varrate (hf-varrate calibrate ...) or use layer_budgets='uniform'"
-                )
-            if balance == "none" and key_weight == 1.0:
-                spectra = [self.spectrum(i) for i in layers]
-            else:
-                for i in layers:
-                    self.coding_basis(i, balance, key_weight=key_weight)
-                spectra = [self._balanced_spectra[(i, balance, float(key_weight))] for i in layers]
-            self._energies[(balance, key_weight)] = energy_shares(spectra), {i: row for row, i in enumerate(layers)}
-        return self._energies[(balance, key_weight)]
+    def coding_basis(self, layer_idx: int, balance: str, device=None, key_weight: float = 1.0):
+        """(basis [R, D] fp32, half scales [D] or None) a layer codes with: `CodingSpaces.coding_basis`."""
+        return self.spaces.coding_basis(layer_idx, balance, device, key_weight)
 
-    def layer_share(self, layer_idx: int, config: VarRateConfig) -> tuple[torch.Tensor, int] | None:
-        """What `compress_prompt(layer_share=...)` takes for layer `layer_idx` under `config.layer_budgets`
-        ('spectrum': the coding spaces' energies and this layer's row; 'uniform': None)."""
-        if config.layer_budgets == "uniform":
-            return None
-        energies, rows = self.coding_energies(config.balance, config.key_weight)
-        return energies, rows[layer_idx]
+    def attention_basis(self, layer_idx: int, balance: str, device, heads: int, dim: int, key_weight: float = 1.0):
+        """The coding basis as attention over the codes reads it: `CodingSpaces.attention_basis`."""
+        return self.spaces.attention_basis(layer_idx, balance, device, heads, dim, key_weight)
+
+    def layer_share(self, layer_idx: int, config: VarRateConfig):
+        """What `compress_prompt(layer_share=...)` takes for this layer: `CodingSpaces.layer_share`."""
+        return self.spaces.layer_share(layer_idx, config)
+
+    def nbytes(self) -> int:
+        """Bytes of every tensor these bases hold, stored and derived (a per-model cost, shared by every cache)."""
+        return self.spaces.nbytes()
 
     def __deepcopy__(self, memo):
         return self  # immutable, per-model: shared by every copy of every cache

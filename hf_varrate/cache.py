@@ -32,9 +32,14 @@ __all__ = ["Footprint", "VarRateCache"]
 
 @dataclass
 class Footprint:
-    """Bytes the cache holds for its sequences vs. the same tokens in a plain DynamicCache."""
+    """Bytes the cache holds for its sequences vs. the same tokens in a plain DynamicCache.
+
+    `bases_bytes` is reported beside them, as the paper reports the basis: every tensor the bases hold, the
+    stored ones and the copies derived for coding and reading, one set per model and device, shared by
+    every cache built on those bases."""
 
     layers: list[LayerFootprint] = field(default_factory=list)
+    bases_bytes: int = 0
 
     @property
     def bytes(self) -> int:
@@ -62,14 +67,18 @@ class Footprint:
 
     def __repr__(self):
         return (f"Footprint(bytes={self.bytes}, full_bytes={self.full_bytes}, fraction={self.fraction:.4f}, "
-                f"prompt_fraction={self.prompt_fraction:.4f}, held_bytes={self.held_bytes})")
+                f"prompt_fraction={self.prompt_fraction:.4f}, held_bytes={self.held_bytes}, "
+                f"bases_bytes={self.bases_bytes})")
 
 
 class VarRateCache(Cache):
     """A transformers `Cache` that compresses each full-attention layer's prompt with VarRate.
 
-    Use `VarRateCache.from_pretrained(bases_dir_or_repo, model=model, budget=0.2)`. `model=` (or
-    `rope=`) gives the rotary frequencies that `storage="compact"` needs to re-rotate keys.
+    Use `VarRateCache.from_pretrained(name_folder_or_repo_id)` (optionally `model=model` for query-aware
+    signals, and config overrides such as `budget=0.2`). Built directly, `VarRateCache(bases, config)`
+    lays out its layers as the bases record them; `model=` or `model_config=` lays them out from the model
+    (and checks the bases against it); `model=` or `rope=` gives the rotary frequencies that compact storage
+    and a cache without the model need, where the bases record none.
     """
 
     is_compileable = False
@@ -228,7 +237,7 @@ class VarRateCache(Cache):
             else:
                 held = tensor_bytes(layer.keys, layer.values) if layer.is_initialized else 0
                 layers.append(LayerFootprint(i, "sliding", held, held))
-        return Footprint(layers)
+        return Footprint(layers, bases_bytes=self.bases.nbytes())
 
     # a compressed document, saved and loaded (safetensors + JSON; see hf_varrate.serialization) -----------
     def save_pretrained(self, save_directory: str | os.PathLike) -> None:

@@ -96,7 +96,8 @@ class VarRatePress:
     def compress(self, module, hidden_states, keys, values, attentions, kwargs):
         """Keys/values [B, H, S, d] -> their VarRate reconstruction (same shape); records the codes."""
         cos, sin = kwargs["position_embeddings"]
-        basis, scales = self.bases.coding_basis(module.layer_idx, self.config.balance, keys.device, key_weight=self.config.key_weight)
+        basis, scales = self.bases.coding_basis(module.layer_idx, self.config.balance, keys.device,
+                                                key_weight=self.config.key_weight)
         share = self.bases.layer_share(module.layer_idx, self.config)
         window = min(self.config.obs_window, hidden_states.shape[1])
         with torch.no_grad():

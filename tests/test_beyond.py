@@ -365,3 +365,26 @@ def test_spectrum_layer_budgets_need_a_spectrum_and_the_fast_path(tiny_llama):
     with bound(tiny_llama), torch.no_grad(), pytest.raises(ValueError, match="spectrum.*layer_budgets='uniform'"):
         tiny_llama(input_ids=torch.randint(2, 128, (1, 300)), past_key_values=cache)
         cache.compress()
+
+
+def test_bases_bytes_count_every_copy_once_and_a_balanced_cache_keeps_no_unscaled_one(tiny_llama):
+    """The footprint reports the bases' bytes: the stored tensors plus what coding derived from them, one
+    copy per model (two caches share it). A balanced cache codes in the scaled space only, so no fp32 copy of
+    the unscaled basis is kept beside it."""
+    from hf_varrate import VarRateCache, bound
+
+    bases = calibrated_like(tiny_llama.config)
+    stored = bases.nbytes()
+    assert stored == sum(t.numel() * t.element_size() for t in {id(t): t for t in
+                         [*bases.tensors.values(), *bases.spectra.values()]}.values())
+    with bound(tiny_llama), torch.no_grad():
+        caches = [VarRateCache(bases, model=tiny_llama, balance="rms", budget=0.4, stride=8, window=16, r_min=2)
+                  for _ in range(2)]
+        for cache in caches:
+            tiny_llama(input_ids=torch.randint(2, 128, (1, 300)), past_key_values=cache)
+            cache.compress()
+    width, rank = bases.tensors[0].shape[1], bases.tensors[0].shape[0]
+    per_layer = (rank * width + width + rank) * 4  # the scaled basis, its scales, its singular values (fp32)
+    assert bases.nbytes() == stored + len(bases.tensors) * per_layer  # once, for both caches
+    assert all(cache.footprint().bases_bytes == bases.nbytes() for cache in caches)
+

@@ -24,7 +24,6 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
-from torch.utils.weak import WeakIdKeyDictionary
 
 from . import native
 from .packing import PromptCode
@@ -33,15 +32,15 @@ from .projection import DenseOrder, RankOrder, padded_basis
 from .quantization import QuantizedCoefs, dequantize_runs
 
 
-def attend_codes(code: PromptCode, query, exact_keys, exact_values, tail_keys, tail_values, turns, basis,
-                 scaling: float, *, scales=None, mask=None, softcap=None,
-                 mm_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def attend_codes(code: PromptCode, query, exact_keys, exact_values, tail_keys, tail_values, turns, split,
+                 scaling: float, *, mask=None, softcap=None, mm_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Softmax attention of `query` over the whole prompt (coded + exact tokens) then the tail.
 
     `mask`: None (every prompt token visible; tail token j visible to query i iff j <= T - Q + i) or
     [Q, S + T] bool (True: attend) / additive float over the cache slots (prompt slots, then the tail),
     as the model's attention mask gives it. `turns`: the prompt positions' RoPE (cos, sin) pairs
-    (`rope.rope_turns`, or `RopeMemo.turns`, which keeps them for a forward). Returns [Hq, Q, d] fp32."""
+    (`rope.rope_turns`, or `RopeMemo.turns`, which keeps them for a forward). `split`: the coding basis as
+    attention reads it (`split_basis`; `Bases.attention_basis` keeps it per layer). Returns [Hq, Q, d] fp32."""
     plan = code_layout(code)
     heads_q, q_len, dim = query.shape
     heads = exact_keys.shape[0]
@@ -51,7 +50,7 @@ def attend_codes(code: PromptCode, query, exact_keys, exact_values, tail_keys, t
         coded, neighbours = coded.index_select(0, plan.order), neighbours.index_select(0, plan.order)
     exact, anchors = code.exact_pos, code.anchor_pos
     in_exact = torch.searchsorted(exact, anchors)  # anchors are exact tokens: their rows among them
-    basis_k, basis_v = _split_basis(basis, scales, heads, dim)
+    basis_k, basis_v = split
     q = query.float().reshape(heads, rows, dim)
     pairs = _pair_order(dim, query.device)
     with record_function("varrate.attend_keys"):
@@ -187,22 +186,15 @@ def code_pieces(code: PromptCode, plan: RankOrder | DenseOrder, dtype: torch.dty
     return pieces
 
 
-_SPLIT = WeakIdKeyDictionary()  # basis -> (scales, keys' basis, values' basis)
-
-
-def _split_basis(basis, scales, heads: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def split_basis(basis, scales, heads: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The basis [R, D] as attention reads it, divided by the balance `scales` (coded z_t = scaled z_t):
-    the keys' half [R, H * d] with paired dims (`_pair_order`), the values' half [R, H * d]. Computed once
-    per resident basis (`Bases.for_layer` and `coding_basis` keep returning the same tensors)."""
-    cached = _SPLIT.get(basis)
-    if cached is None or cached[0] is not scales:
-        half = heads * dim
-        keys, values = basis[:, :half], basis[:, half:]
-        if scales is not None:
-            keys, values = keys / scales[:half], values / scales[half:]
-        keys = keys.reshape(-1, heads, dim)[..., _pair_order(dim, basis.device)].reshape(-1, half)
-        cached = _SPLIT[basis] = (scales, keys, values)
-    return cached[1], cached[2]
+    (the keys' half [R, H * d] with paired dims (`_pair_order`), the values' half [R, H * d])."""
+    half = heads * dim
+    keys, values = basis[:, :half], basis[:, half:]
+    if scales is not None:
+        keys, values = keys / scales[:half], values / scales[half:]
+    keys = keys.reshape(-1, heads, dim)[..., _pair_order(dim, basis.device)].reshape(-1, half).contiguous()
+    return keys, values.contiguous()
 
 
 @cache

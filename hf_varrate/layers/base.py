@@ -4,10 +4,11 @@ Orchestration only; the arithmetic is in `hf_varrate.codec`. The prompt is what 
 multi-token forwards while the layer is empty (one prefill, or a chunked prefill's chunks): it is held
 exactly, and its forwards attend to it exactly, until it is complete: at the first one-token forward
 (decoding), or when the cache is asked (`VarRateCache.compress`, and what reads or copies the codes).
-Then the layer codes it as one prompt (`finish_prompt`), and every later token is stored exactly. How
-the coded prompt is held is the subclass's one job (`MaterializedLayer`, `CompactLayer`): `_store` at the prefill, `_append`
-afterwards, `read`, `exact_tokens`, `footprint` and `crop`. A cache switches storage by swapping
-layer objects (`from_layer`); a saved cache's layers round-trip through `to_tensors` / `from_tensors`.
+Then the layer codes it as one prompt (`finish_prompt`), and every later token is stored exactly.
+How the coded prompt is held is the subclass's one job (`MaterializedLayer`, `CompactLayer`): `_store`
+when it is coded, `_append` afterwards, `read`, `exact_tokens`, `footprint` and `crop`. A cache switches
+storage by swapping layer objects (`from_layer`); a saved cache's layers round-trip through
+`to_tensors` / `from_tensors`.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ from ..codec import PromptCode
 from ..config import VarRateConfig
 from ..errors import CacheFileError
 from ..rotary import RopeMemo, RotaryFrequencies
-from .rows import Row, all_finite, row_inputs, slots_of
 from .context import PrefillContext, crop_context, merge_contexts, select_context
+from .rows import Row, all_finite, row_inputs, slots_of
 
 UNBOUND_MESSAGE = (
-    "VarRateCache needs the model bound to it to see the prefill's queries: build the cache with "
-    "VarRateCache.from_pretrained(bases, model=model) or call hf_varrate.bind(model) before generate()"
+    "VarRateCache needs the model bound to it to see the prefill's queries (a query-aware signal, or bases "
+    "that record no RoPE frequencies): build the cache with VarRateCache.from_pretrained(bases, model=model) "
+    "or call hf_varrate.bind(model) before generate()"
 )
 
 
@@ -187,7 +189,8 @@ class VarRateLayer(DynamicLayer):
         self.prompt_len = self.prompt_kept = keys.shape[-2]
         rows = [row_inputs(context, b, keys, values) for b in range(keys.shape[0])]
         self.offsets = [self._rope_offset(row) for row in rows]
-        coding = self.bases.coding_basis(self.layer_idx, self.config.balance, keys.device, key_weight=self.config.key_weight)  # (basis, scales)
+        coding = self.bases.coding_basis(self.layer_idx, self.config.balance, keys.device,
+                                         key_weight=self.config.key_weight)  # (basis, scales)
         share = self.bases.layer_share(self.layer_idx, self.config)  # per-layer budgets, or None
         self._store(rows, coding, context.scaling, keys, values, share)
 

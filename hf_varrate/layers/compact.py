@@ -93,7 +93,8 @@ class CompactLayer(VarRateLayer):
         if any(not covers(span, kept) for span in self.spans):
             keys[:, :, :kept].zero_()
             values[:, :, :kept].zero_()
-        basis, scales = self.bases.coding_basis(self.layer_idx, self.config.balance, self.keys.device, key_weight=self.config.key_weight)
+        basis, scales = self.bases.coding_basis(self.layer_idx, self.config.balance, self.keys.device,
+                                                key_weight=self.config.key_weight)
         for b, (code, span) in enumerate(zip(self.codes, self.spans)):
             cos, sin = self.memo.tables(self.rope, code.seq_len, self.keys.dtype, self.keys.device, self.offsets[b])
             args = (code, code.exact_keys, code.exact_values, cos, sin, basis)
@@ -125,10 +126,12 @@ class CompactLayer(VarRateLayer):
         [1, Q, Hq, d] in the query's dtype, as transformers' attention functions return it."""
         code = self.codes[0]
         device = self.keys.device
-        basis, scales = self.bases.coding_basis(self.layer_idx, self.config.balance, device, key_weight=self.config.key_weight)
+        _, heads, _, dim = code.exact_keys.shape
+        split = self.bases.attention_basis(self.layer_idx, self.config.balance, device, heads, dim,
+                                           key_weight=self.config.key_weight)
         turns = self.memo.turns(self.rope, code.seq_len, self.keys.dtype, device, self.offsets[0])
         out = attend_codes(code, query[0], code.exact_keys[0], code.exact_values[0], self.keys[0], self.values[0],
-                           turns, basis, scaling, scales=scales, mask=None if mask is None else mask[0, 0],
+                           turns, split, scaling, mask=None if mask is None else mask[0, 0],
                            softcap=softcap, mm_dtype=matmul_dtype(self.config.projection_dtype, device))
         return out.to(query.dtype).transpose(0, 1).unsqueeze(0).contiguous()
 

@@ -1,0 +1,111 @@
+"""`CodingSpaces`: the tensors a model's bases are coded and read with, derived once and kept.
+
+Per layer and device: the fp32 basis (the stored ones may be fp16), the basis of the space a config codes
+in (balance='rms' and key_weight scale the value half: `codec.balance`) with its singular values for
+per-layer budgets, and the split copy attention over the codes reads (`codec.attend.split_basis`). Owned by
+a `Bases` (`bases.spaces`), so one copy serves every cache built on those bases, and `nbytes` counts them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .codec import tensor_bytes
+from .codec.attend import split_basis
+from .codec.balance import balanced_basis
+from .codec.layer_budget import energy_shares
+from .errors import BasesError
+
+
+class CodingSpaces:
+    """The derived tensors of one `Bases` (read through it: its tensors and spectra never change)."""
+
+    def __init__(self, bases):
+        self.bases = bases
+        self._resident: dict[tuple[int, str], torch.Tensor] = {}  # fp32 bases, per device
+        self._balanced: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # scaled spaces
+        self._balanced_spectra: dict[tuple, torch.Tensor] = {}  # (layer, balance, key_weight) -> singular values
+        self._energies: dict[tuple, tuple[torch.Tensor, dict[int, int]]] = {}  # (balance, key_weight) -> shares
+        self._split: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # attention's copies
+
+    def basis(self, layer_idx: int, device=None) -> torch.Tensor:
+        """fp32 [R, D] on `device`, uploaded once per device and then kept resident."""
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        key = (layer_idx, str(device))
+        if key not in self._resident:
+            self._resident[key] = self._upload(layer_idx, device)
+        return self._resident[key]
+
+    def _upload(self, layer_idx: int, device: torch.device) -> torch.Tensor:
+        if layer_idx not in self.bases.tensors:
+            raise BasesError(f"bases have no tensor for layer {layer_idx}; they cover {sorted(self.bases.tensors)}")
+        return self.bases.tensors[layer_idx].to(device=device, dtype=torch.float32, copy=True).contiguous()
+
+    def attention_basis(self, layer_idx: int, balance: str, device, heads: int, dim: int,
+                        key_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The coding basis as attention over the codes reads it (`codec.attend.split_basis`), kept per layer,
+        coding space and device: one copy per model, shared by every cache on these bases."""
+        key = (layer_idx, str(torch.device(device)), balance, float(key_weight))
+        if key not in self._split:
+            self._split[key] = split_basis(*self.coding_basis(layer_idx, balance, device, key_weight), heads, dim)
+        return self._split[key]
+
+    def nbytes(self) -> int:
+        """Bytes of every tensor these bases hold: the stored ones and the copies made for coding and reading
+        (per device and coding space). Shared by every cache built on them: a per-model cost."""
+        held = [*self.bases.tensors.values(), *self.bases.spectra.values(), *self._resident.values(),
+                *(t for pair in self._balanced.values() for t in pair), *self._balanced_spectra.values(),
+                *(t for pair in self._split.values() for t in pair)]
+        return tensor_bytes(*{id(t): t for t in held}.values())  # identity bases share one tensor
+
+    def coding_basis(self, layer_idx: int, balance: str, device=None,
+                     key_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The basis [R, D] fp32 a layer codes with and its half scales [D] (None: unscaled, the paper's z_t);
+        balance='rms' or a key_weight other than 1 derives them once per layer and device
+        (`codec.balance.balanced_basis`)."""
+        if balance == "none" and key_weight == 1.0:
+            return self.basis(layer_idx, device), None
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        key = (layer_idx, str(device), balance, float(key_weight))
+        if key not in self._balanced:
+            basis = self._upload(layer_idx, device)  # not kept: only the scaled space is coded with
+            spectrum = self.bases.spectrum(layer_idx)
+            if spectrum is None:
+                raise ValueError(
+                    f"balance={balance!r} needs bases that carry their calibration spectrum (tensors spectrum.<i>), "
+                    f"and these have none for layer {layer_idx}; recalibrate them with this version of hf_varrate "
+                    f"(hf-varrate calibrate ...) or use balance='none'"
+                )
+            balanced, scales, singular = balanced_basis(basis, spectrum, balance, key_weight)
+            self._balanced[key] = balanced, scales
+            self._balanced_spectra[key[:1] + key[2:]] = singular
+        return self._balanced[key]
+
+    def coding_energies(self, balance: str, key_weight: float = 1.0) -> tuple[torch.Tensor, dict[int, int]]:
+        """(energies [L, R] of every compressed layer's coding space, {layer index: row}) for per-layer
+        budgets (`codec.layer_budget`): the shipped spectra, or the scaled space's (`coding_basis`)."""
+        if (balance, key_weight) not in self._energies:
+            layers = sorted(self.bases.tensors)
+            missing = [i for i in layers if self.bases.spectrum(i) is None]
+            if missing:
+                raise ValueError(
+                    f"layer_budgets='spectrum' needs bases that carry their calibration spectrum (tensors "
+                    f"spectrum.<i>), and these have none for layers {missing[:5]}; recalibrate them with this "
+                    f"version of hf_varrate (hf-varrate calibrate ...) or use layer_budgets='uniform'"
+                )
+            if balance == "none" and key_weight == 1.0:
+                spectra = [self.bases.spectrum(i) for i in layers]
+            else:
+                for i in layers:
+                    self.coding_basis(i, balance, key_weight=key_weight)
+                spectra = [self._balanced_spectra[(i, balance, float(key_weight))] for i in layers]
+            self._energies[(balance, key_weight)] = energy_shares(spectra), {i: row for row, i in enumerate(layers)}
+        return self._energies[(balance, key_weight)]
+
+    def layer_share(self, layer_idx: int, config) -> tuple[torch.Tensor, int] | None:
+        """What `compress_prompt(layer_share=...)` takes for layer `layer_idx` under `config.layer_budgets`
+        ('spectrum': the coding spaces' energies and this layer's row; 'uniform': None)."""
+        if config.layer_budgets == "uniform":
+            return None
+        energies, rows = self.coding_energies(config.balance, config.key_weight)
+        return energies, rows[layer_idx]
