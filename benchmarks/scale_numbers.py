@@ -15,6 +15,7 @@ groups can cost at most one more partial group, 4 bytes, per coded token ("4-bit
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 
@@ -59,6 +60,12 @@ def prompt_bytes(config: VarRateConfig, seq_len: int, width: int) -> dict:
             "coefficients": int(ranks.sum()), "max_rank": int(ranks.max())}
 
 
+@functools.cache
+def variant_bytes(budget: float, variant: str, seq_len: int, width: int) -> dict:
+    """`prompt_bytes` of one row of the tables (each is asked for by three tables)."""
+    return prompt_bytes(VarRateConfig(budget=budget, **VARIANTS[variant]), seq_len, width)
+
+
 def decode_step(row: dict, args, width: int) -> tuple[float, float]:
     """(MB read, GFLOP) of one decode step's attention over one layer's coded prompt, the way
     `codec.attend_codes` computes it: every coded key rebuilt from its r_t coefficients (RoPE makes
@@ -80,19 +87,21 @@ def report(args) -> None:
           f"bases {bases / 1e6:.1f} MB; {args.gpu_gb:g} GB - {args.weights_gb:g} GB weights - bases = "
           f"{free / 1e9:.2f} GB for the cache")
     print(f"\n| budget | variant | stride | mean rank | exact | anchor idx + rank | coefficients | total "
-          f"(bytes/token/layer) | footprint | tokens per {args.gpu_gb:g} GB |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    print(f"| 1 | uncompressed fp16 | - | - | {full} | 0 | 0 | {full} | 1.000 | {free / (full * args.layers):,.0f} |")
+          f"(bytes/token/layer) | one coded token's record | footprint | tokens per {args.gpu_gb:g} GB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print(f"| 1 | uncompressed fp16 | - | - | {full} | 0 | 0 | {full} | - | 1.000 | "
+          f"{free / (full * args.layers):,.0f} |")
     for budget in args.budgets:
         for name, fields in VARIANTS.items():
-            row = prompt_bytes(VarRateConfig(budget=budget, **fields), args.seq_len, width)
+            row = variant_bytes(budget, name, args.seq_len, width)
             per_token = [row[k] / args.seq_len for k in ("exact", "meta", "coefs")]
             total = sum(per_token)
             bound = "" if "coef_bits" not in fields or "same_bytes" in fields.values() else \
                 f" (<= {total + 4 * row['coded'] / args.seq_len:.1f})"
             print(f"| {budget} | {name} | {row['stride']} | {row['mean_rank']:.1f} | {per_token[0]:.1f} | "
                   f"{per_token[1]:.1f} ({row['meta_per_token']} per coded token) | {per_token[2]:.1f} | "
-                  f"{total:.1f}{bound} | {total / full:.3f} | {free / (total * args.layers):,.0f} |")
+                  f"{total:.1f}{bound} | {(row['meta'] + row['coefs']) / row['coded']:.1f} | {total / full:.3f} | "
+                  f"{free / (total * args.layers):,.0f} |")
 
 
 def report_decode(args) -> None:
@@ -104,9 +113,8 @@ def report_decode(args) -> None:
     print("|---|---|---|---|---|")
     print(f"| 1 | uncompressed fp16 | {full_read:.1f} | {full_flops:.2f} | {full_flops * 1e3 / full_read:.1f} |")
     for budget in args.budgets:
-        for name, fields in VARIANTS.items():
-            read, flops = decode_step(prompt_bytes(VarRateConfig(budget=budget, **fields), args.seq_len, width),
-                                      args, width)
+        for name in VARIANTS:
+            read, flops = decode_step(variant_bytes(budget, name, args.seq_len, width), args, width)
             print(f"| {budget} | {name} | {read:.1f} | {flops:.2f} | {flops * 1e3 / read:.0f} |")
 
 
@@ -120,8 +128,8 @@ def report_restore(args) -> None:
     print("| budget | variant | TFLOP to decode (anchor means + V^T c) | share of a prefill |")
     print("|---|---|---|---|")
     for budget in args.budgets:
-        for name, fields in VARIANTS.items():
-            row = prompt_bytes(VarRateConfig(budget=budget, **fields), args.seq_len, width)
+        for name in VARIANTS:
+            row = variant_bytes(budget, name, args.seq_len, width)
             flops = args.layers * (2 * row["coefficients"] * width + row["coded"] * args.n_anchors * width) / 1e12
             print(f"| {budget} | {name} | {flops:.2f} | {flops / prefill:.4f} |")
 
