@@ -1,0 +1,93 @@
+"""The coding spaces beyond the paper, on tiny models: per-layer budgets from the calibration spectra
+(layer_budgets="spectrum"), and the copies the bases derive for coding and reading (counted once)."""
+
+import pytest
+import torch
+
+from hf_varrate import VarRateConfig
+
+from test_beyond import calibrated_like, synthetic_spectrum
+
+
+# per-layer budgets from the calibration spectra (layer_budgets="spectrum") -------------------------------
+def test_layer_ranks_give_rank_where_the_energy_is_spread():
+    from hf_varrate.codec.layer_budget import budget_scale, energy_shares, layer_ranks
+
+    peaked, spread = torch.tensor([0.3**j for j in range(64)]), torch.tensor([0.97**j for j in range(64)])
+    energies = energy_shares([peaked.sqrt(), spread.sqrt(), peaked.sqrt()])
+    ranks = layer_ranks(energies, flat=20.0, floor=10)
+    assert ranks.sum() == 60 and ranks[1] > 20 > ranks[0] >= 10 and ranks[0] == ranks[2]
+    # at low ranks the peaked layer's leading directions are worth more: rank goes where it removes most error
+    assert layer_ranks(energies, flat=2.0, floor=1).tolist() == [3, 1, 2]  # ties go to the layers in turn
+    assert sum(budget_scale(energies, row, 20.0, 10) for row in range(3)) == pytest.approx(3.0)
+    same = energy_shares([torch.ones(64)] * 3)
+    assert layer_ranks(same, flat=20.0, floor=10).tolist() == [20, 20, 20]  # equal spectra: the uniform budget
+    assert layer_ranks(energies, flat=100.0, floor=50).tolist() == [64, 64, 64]  # capped at R
+
+
+def spread_and_peaked_bases(model_config):
+    """Bases whose layer 0 holds its residual energy in few directions and layer 1 spreads it out."""
+    from hf_varrate import Bases
+    from hf_varrate.architecture import describe
+
+    shape = describe(model_config)
+    basis, _, _ = synthetic_spectrum(shape.width, 1.0)
+    peaked = torch.tensor([0.3**j for j in range(shape.width)]).sqrt()
+    spectra = {0: peaked, 1: torch.tensor([0.97**j for j in range(shape.width)]).sqrt()}
+    return Bases.from_tensors({i: basis for i in shape.compressed_layers}, model_config, spectra=spectra,
+                              stride=16, window=64, n_anchors=4)
+
+
+@pytest.mark.parametrize("storage", ["materialized", "compact"])
+def test_spectrum_layer_budgets_move_rank_and_keep_the_total(tiny_llama, storage):
+    from hf_varrate import VarRateCache, bound
+
+    bases = spread_and_peaked_bases(tiny_llama.config)
+    ids = torch.randint(2, 128, (1, 600), generator=torch.Generator().manual_seed(0))
+    caches = {}
+    for mode in ("uniform", "spectrum"):
+        caches[mode] = VarRateCache(bases, model=tiny_llama, budget=0.3, signal="uniform", r_min=4,
+                                    layer_budgets=mode, storage=storage)
+        with bound(tiny_llama), torch.no_grad():
+            tiny_llama(input_ids=ids, past_key_values=caches[mode])
+            caches[mode].compress()
+    rank = {m: [int(c.layers[i].codes[0].ranks.long().sum()) for i in (0, 1)] for m, c in caches.items()}
+    assert rank["spectrum"][1] > rank["uniform"][1] and rank["spectrum"][0] < rank["uniform"][0]
+    assert sum(rank["spectrum"]) <= sum(rank["uniform"])  # shared, not added
+    assert caches["spectrum"].footprint().prompt_fraction <= 0.3 + 1e-9
+
+
+def test_spectrum_layer_budgets_need_a_spectrum_and_the_fast_path(tiny_llama):
+    from hf_varrate import Bases, VarRateCache, bound
+
+    with pytest.raises(ValueError, match="layer_budgets"):
+        VarRateConfig(layer_budgets="spectrum", implementation="reference")
+    with pytest.raises(ValueError, match="layer_budgets must be one of"):
+        VarRateConfig(layer_budgets="sensitivity")
+    cache = VarRateCache(Bases.identity(tiny_llama.config), model=tiny_llama, budget=0.3, layer_budgets="spectrum")
+    with bound(tiny_llama), torch.no_grad(), pytest.raises(ValueError, match="spectrum.*layer_budgets='uniform'"):
+        tiny_llama(input_ids=torch.randint(2, 128, (1, 300)), past_key_values=cache)
+        cache.compress()
+
+
+def test_bases_bytes_count_every_copy_once_and_a_balanced_cache_keeps_no_unscaled_one(tiny_llama):
+    """The footprint reports the bases' bytes: the stored tensors plus what coding derived from them, one
+    copy per model (two caches share it). A balanced cache codes in the scaled space only, so no fp32 copy of
+    the unscaled basis is kept beside it."""
+    from hf_varrate import VarRateCache, bound
+
+    bases = calibrated_like(tiny_llama.config)
+    stored = bases.nbytes()
+    assert stored == sum(t.numel() * t.element_size() for t in {id(t): t for t in
+                         [*bases.tensors.values(), *bases.spectra.values()]}.values())
+    with bound(tiny_llama), torch.no_grad():
+        caches = [VarRateCache(bases, model=tiny_llama, balance="rms", budget=0.4, stride=8, window=16, r_min=2)
+                  for _ in range(2)]
+        for cache in caches:
+            tiny_llama(input_ids=torch.randint(2, 128, (1, 300)), past_key_values=cache)
+            cache.compress()
+    width, rank = bases.tensors[0].shape[1], bases.tensors[0].shape[0]
+    per_layer = (rank * width + width + rank) * 4  # the scaled basis, its scales, its singular values (fp32)
+    assert bases.nbytes() == stored + len(bases.tensors) * per_layer  # once, for both caches
+    assert all(cache.footprint().bases_bytes == bases.nbytes() for cache in caches)
+
