@@ -127,3 +127,22 @@ def test_command_line_streams_within_max_tokens(datasets, tmp_path, tiny_llama, 
     assert bases.metadata["calibration"] == str(jsonl) and bases.metadata["world_size"] == 1
     with pytest.raises(ValueError, match="stopped at max_tokens=200"):
         cli.main([*argv, "--max-tokens", "200"])
+
+
+def test_command_line_measures_on_another_split_of_the_same_hub_dataset(datasets, tmp_path, tiny_llama, monkeypatch,
+                                                                       jsonl):
+    splits, real_load_dataset = [], datasets.load_dataset
+
+    def fake_load_dataset(path, name=None, *, split, streaming):
+        splits.append(split)
+        return real_load_dataset("json", data_files=str(jsonl), split="train", streaming=True)
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    monkeypatch.setattr(cli, "load_model", lambda args: (tiny_llama, CharTokenizer(), {}))
+    cli.main(["--texts", "org/corpus", "--eval-texts", "org/corpus", "--eval-dataset-split", "validation",
+              "--num-contexts", "2", "--context-length", "150", "--eval-contexts", "1", "--eval-budget", "0.5",
+              "--eval-context-length", "300", "--rank", "16",
+              "--out", str(tmp_path / "bases"), "--quiet"])
+    assert splits == ["train", "validation"]
+    meta = Bases.from_pretrained(tmp_path / "bases").metadata
+    assert meta["calibration"] == "org/corpus [train]" and meta["quality"]["data"] == "org/corpus [validation]"

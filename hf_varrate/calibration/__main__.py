@@ -53,6 +53,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None,
         "the text the contexts need")
     add("--dataset-config", default=None, help="configuration name of a Hub dataset (e.g. wikitext-103-raw-v1)")
     add("--dataset-split", default="train", help="split of a Hub dataset or saved DatasetDict")
+    add("--eval-dataset-split", default=None, help="split of --eval-texts when it is a Hub dataset (default: "
+        "--dataset-split; give another, e.g. validation, when --eval-texts names the same dataset)")
     add("--max-tokens", type=int, default=None, help="read at most this many tokens of text (default: as many "
         "as the contexts need)")
     add("--num-contexts", type=int, default=6, help="calibration contexts (the paper uses six)")
@@ -143,7 +145,7 @@ def measure(model, tokenizer, bases: Bases, args) -> dict | None:
         return None
     held_out = load_texts(args.eval_texts, split="held_out", seed=args.seed, text_field=args.text_field,
                           streaming=args.streaming, dataset_config=args.dataset_config,
-                          dataset_split=args.dataset_split)
+                          dataset_split=args.eval_dataset_split or args.dataset_split)
     length = args.eval_context_length or args.context_length
     contexts = build_contexts(tokenizer, held_out.documents, args.eval_contexts, length)
     result = {"budget": args.eval_budget, "data": held_out.name, "num_contexts": len(contexts),
