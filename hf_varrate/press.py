@@ -2,7 +2,7 @@
 
     from kvpress import KVPressTextGenerationPipeline
     from hf_varrate.press import VarRatePress
-    press = VarRatePress.from_pretrained("hub_assets/smollm2-135m-instruct", budget=0.2)
+    press = VarRatePress.from_pretrained("smollm2-135m-instruct", budget=0.2)
     pipe(context, question=question, press=press)
 
 Like kvpress's presses it works in a forward hook after each attention layer's prefill: it reads
