@@ -1,0 +1,123 @@
+"""The studies built on the harness (studies/): needle confusions, needle attention, kept digits."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+
+HAS_KVPRESS = importlib.util.find_spec("kvpress") is not None
+needs_kvpress = pytest.mark.skipif(not HAS_KVPRESS, reason="kvpress is not installed (it pins transformers < 5.3): "
+                                   "run in .venv-eval (make eval-venv)")
+REPO = Path(__file__).resolve().parents[1]
+
+
+# studies/ -------------------------------------------------------------------------------------------
+def test_needle_confusions_tell_another_needles_value_from_a_lost_one():
+    from studies.needle_confusions import classify, confusions, planted
+    from evaluation.tasks.needle import NEEDLE
+
+    text = " ".join(NEEDLE.format(key=k, value=v) for k, v in [("odd-tiger", "1234567"), ("calm-river", "7654321")])
+    values = planted("Essay text. " + text + " More text.")
+    assert values == {"odd-tiger": "1234567", "calm-river": "7654321"}
+    assert classify(": 1234567.", "1234567", values) == "right"
+    assert classify(": 7654321.", "1234567", values) == "another needle"
+    assert classify(": 7654329.", "1234567", values) == "not planted"
+    assert classify(" is a secret.", "1234567", values) == "no number"
+    rows = [{"length": 8, "example_id": "e", "regime": "r", "method": m, "prediction": p, "answers": ["1234567"]}
+            for m, p in [("a", "7654321"), ("a", "1234567"), ("b", "1111111")]]
+    counts = confusions(rows, {(8, "e"): text})
+    assert counts[(8, "r", "a")] == {"another needle": 1, "right": 1} and counts[(8, "r", "b")] == {"not planted": 1}
+
+
+def test_needle_attention_locates_each_needles_key_words_and_value(smollm2):
+    from studies.needle_attention import ASKED_PATTERN, GROUPS, token_groups
+    from evaluation.tasks import build_examples
+
+    _, tokenizer = smollm2
+    example = build_examples("niah_multikey", tokenizer, True, 512, 1)[0]
+    ids = example.segments.context
+    asked = ASKED_PATTERN.search(tokenizer.decode(example.segments.tail)).group(1)
+    groups = token_groups(tokenizer, ids, asked)
+    assert sorted(torch.cat(list(groups.values())).tolist()) == list(range(len(ids)))  # a partition
+    text = lambda group: tokenizer.decode([ids[i] for i in groups[group]])  # noqa: E731
+    assert text("asked key words").strip() == asked and text("asked value").strip() == example.answers[0]
+    others = {k for k, _ in re.findall(r"for (\S+) is: (\d+)", tokenizer.decode(ids))} - {asked}
+    assert len(others) == 3 and all(key in text("other key words") for key in others)
+    assert "magic numbers for" in text("asked rest") and "magic numbers for" not in text("haystack")
+    with pytest.raises(ValueError, match="in 0 needles"):
+        token_groups(tokenizer, ids, "no-such-key")
+    assert set(groups) == set(GROUPS)
+
+
+def test_needle_attention_puts_back_exact_rows_in_a_copy_and_groups_query_heads():
+    from types import SimpleNamespace
+
+    from studies.needle_attention import answer_attention, put_back, ranks_at, relative_error
+
+    torch.manual_seed(0)
+    exact = {0: torch.randn(1, 2, 6, 4)}
+    coded = exact[0] + 0.1 * torch.randn(1, 2, 6, 4)
+    cache = SimpleNamespace(layers=[SimpleNamespace(keys=coded.clone(), values=coded.clone())])
+    patched = put_back(cache, exact, [0], "keys", torch.tensor([1, 4]))
+    assert torch.equal(cache.layers[0].keys, coded)  # the original is untouched
+    assert torch.equal(patched.layers[0].keys[:, :, [1, 4]], exact[0][:, :, [1, 4]])
+    assert torch.equal(patched.layers[0].keys[:, :, [0, 2, 3, 5]], coded[:, :, [0, 2, 3, 5]])
+    assert torch.equal(patched.layers[0].values, coded)
+    error = relative_error(exact[0][0], patched.layers[0].keys[0])
+    assert error[[1, 4]].tolist() == [0.0, 0.0] and (error[[0, 2, 3, 5]] > 0).all()
+    query = torch.randn(4, 4)  # 4 query heads over 2 KV heads: heads 0, 1 read KV head 0
+    weights = answer_attention(query, exact[0][0], 0.5)
+    assert torch.allclose(weights[1], torch.softmax(exact[0][0, 0] @ query[1] * 0.5, dim=0))
+    assert torch.allclose(weights[2], torch.softmax(exact[0][0, 1] @ query[2] * 0.5, dim=0))
+    code = SimpleNamespace(stored_exactly=False, coded_pos=torch.tensor([1, 2, 4, 5]),
+                           ranks=torch.tensor([8, 9, 10, 11]))
+    assert ranks_at(code, torch.tensor([0, 2, 5]), 6).tolist() == [9.0, 11.0]  # position 0 is exact: no rank
+    assert ranks_at(SimpleNamespace(stored_exactly=True), torch.tensor([0]), 6) is None
+
+
+def test_needle_attention_counts_paired_flips_per_variant():
+    from studies.needle_attention import GROUPS, NEEDLES, VARIANTS, flips, summarize
+
+    answers = [{"full": "right", "codes": "another needle"}, {"full": "right", "codes": "right"},
+               {"full": "another needle", "codes": "right"}, {"full": "right", "codes": "another needle"}]
+    assert flips(answers, "full", "codes") == (2, 1) and flips(answers, "codes", "full") == (1, 2)
+    numbers = {f"{kind} error: {g}": 0.1 for kind in ("key", "value") for g in GROUPS}
+    numbers |= {f"exact share: {g}": 0.0 for g in GROUPS}
+    numbers |= {f"attention {name} L3: {needle}": 0.0 for name in ("full", "codes") for needle in NEEDLES}
+    results = [{**numbers, "answers": {**{v: a["codes"] for v in VARIANTS}, **a}} for a in answers]
+    table = summarize(results, [3])
+    assert "| full | 3 | 1 | 0 | 0 | +2 / -1 | +0 / -0 |" in table
+    assert "| codes | 2 | 2 | 0 | 0 | +0 / -0 | +1 / -2 |" in table
+
+
+def test_needle_attention_refuses_a_malformed_override_or_an_unknown_variant_before_loading_a_model():
+    from studies.needle_attention import main
+
+    with pytest.raises(SystemExit, match="FIELD=VALUE"):
+        main(["--set", "signal"])
+    with pytest.raises(SystemExit, match=r"--variants \['exact keys: nowhere'\] unknown"):
+        main(["--variants", "codes,exact keys: nowhere"])
+    with pytest.raises(ValueError, match=r"\['signl'\] are not VarRateConfig fields"):
+        main(["--set", "signl=residual"])
+    with pytest.raises(SystemExit, match="--n must be at least 1"):
+        main(["--n", "0"])
+
+
+def test_kept_digits_counts_the_layer_heads_whose_pruned_keys_hold_each_position():
+    from types import SimpleNamespace
+
+    from studies.kept_digits import kept_share
+
+    torch.manual_seed(0)
+    keys = [torch.randn(1, 2, 10, 4) for _ in range(2)]
+    keep = [[[0, 3, 4], [3, 5, 9]], [[4, 5, 6], [4, 7, 8]]]  # per layer, per head: the rows a press kept
+    pruned = [torch.stack([k[0, h, rows] for h, rows in enumerate(heads)])[None] for k, heads in zip(keys, keep)]
+    cache = SimpleNamespace(layers=[SimpleNamespace(keys=k) for k in pruned])
+    assert kept_share(keys, cache, [0, 1], slice(3, 6)).tolist() == [0.5, 0.75, 0.5]  # positions 3, 4, 5
+    assert kept_share(keys, cache, [0], slice(3, 6)).tolist() == [1.0, 0.5, 0.5]
+    assert kept_share(keys, cache, [1], slice(3, 6)).tolist() == [0.0, 1.0, 0.5]
