@@ -261,7 +261,12 @@ class Bases:
         """Load the shipped bases of that name (`hf_varrate.shipped.SHIPPED`), else from a local directory,
         else from the Hub (`huggingface_hub.snapshot_download`: works offline from the HF cache, `revision`
         may be a branch, tag or commit). Always verified."""
-        folder = shipped_path(path_or_repo_id) or Path(path_or_repo_id).expanduser()
+        shipped = shipped_path(path_or_repo_id)
+        if shipped is not None:  # recorded by name, which resolves in any installation
+            bases = read_artifact(shipped)
+            bases.source = str(path_or_repo_id)
+            return bases
+        folder = Path(path_or_repo_id).expanduser()
         if not folder.is_dir():
             if looks_local(str(path_or_repo_id)):
                 raise BasesError(f"{path_or_repo_id} is not a directory holding bases ({WEIGHTS_NAME}, "

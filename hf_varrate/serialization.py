@@ -57,6 +57,7 @@ from .config import VarRateConfig
 from .errors import BasesError, CacheFileError, VarRateWarning
 from .files import interrupted_save, replacing_folder, sha256_file
 from .layers import LAYER_CLASSES, CompactLayer, VarRateLayer
+from .shipped import shipped_path
 from .version import __version__
 
 MAX_CONFIG_BYTES = 64 << 20  # per-layer bookkeeping of a large batch stays far below this
@@ -262,7 +263,7 @@ def _bases_source(cache) -> str | None:
     """Where the bases can be read again: the path or repo id they were loaded from (a local folder
     made absolute, so the cache loads from any working directory), 'identity', or None."""
     source = getattr(cache.bases, "source", None) or getattr(cache, "bases_source", None) or _source_of(cache.bases)
-    if source and source != "identity" and Path(source).is_dir():
+    if source and source != "identity" and shipped_path(source) is None and Path(source).is_dir():
         source = str(Path(source).resolve())
     return source
 

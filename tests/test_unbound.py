@@ -5,6 +5,8 @@ from them alone codes a query-free configuration exactly as a cache bound to the
 same codes, the same tokens. Query-aware signals and older bases need `model=`, and say so.
 """
 
+import json
+
 import pytest
 import torch
 from transformers import LlamaConfig, pipeline
@@ -114,4 +116,22 @@ def test_the_card_one_liner_in_a_text_generation_pipeline(smollm2):
     assert isinstance(out[0]["generated_text"], str)
     fp = cache.footprint()
     assert fp.prompt_fraction < 0.25 and all(layer.codes for layer in cache.layers)
+
+
+def test_a_cache_on_shipped_bases_records_their_name_and_reloads_anywhere(tmp_path, monkeypatch):
+    """Shipped bases are recorded by name, not by the folder of this installation, so a saved cache loads
+    in another installation (or from another directory) as well."""
+    config = LlamaConfig(vocab_size=128, hidden_size=192, intermediate_size=64, num_hidden_layers=30,
+                         num_attention_heads=3, num_key_value_heads=3, head_dim=64, rope_theta=100000.0)
+    model = _build_tiny(config)
+    cache = VarRateCache.from_pretrained("smollm2-135m-instruct", storage="compact")
+    with torch.no_grad():
+        model(prompt(model, 300), past_key_values=cache)
+    cache.save_pretrained(tmp_path / "doc")
+    recorded = json.loads((tmp_path / "doc" / "cache_config.json").read_text())["bases"]["source"]
+    assert recorded == "smollm2-135m-instruct"
+    monkeypatch.chdir(tmp_path)
+    loaded = VarRateCache.load(tmp_path / "doc", model=model)
+    hf_varrate.unbind(model)
+    assert loaded.get_seq_length() == 300 and loaded.layers[0].codes
 
