@@ -75,11 +75,13 @@ def test_deepcopy_reuse_equals_fresh_compress_then_ask(bound_smollm2, doc):
     base = identity_cache(model, budget=0.3)
     with torch.no_grad():
         model(doc_ids, past_key_values=base)
+        base.compress()
     for q_ids in doc[1:]:
         reused = generate(model, doc[0] + q_ids, copy.deepcopy(base))
         fresh = identity_cache(model, budget=0.3)
         with torch.no_grad():
             model(doc_ids, past_key_values=fresh)
+            fresh.compress()
         assert torch.equal(reused, generate(model, doc[0] + q_ids, fresh))
     assert base.get_seq_length() == len(doc[0])
 
