@@ -118,3 +118,26 @@ def test_assisted_generation_never_codes_a_draft_token(tiny_llama):
     assert torch.equal(out[:, :-1], reference[:, :-1])  # exact K/V up to the last step, a one-token forward
     layer = cache.layers[0]
     assert layer.codes and layer.prompt_len == out.shape[1] - 2  # what it coded: accepted tokens only
+
+
+@pytest.mark.slow
+def test_chunked_prefill_answers_the_needle_development_split_as_a_whole_one(smollm2):
+    """SmolLM2, 2K-token needle prompts of the development split (examples 100-102), the card's one-liner
+    (no model=): prefilled in chunks of 256, 512 or 1000 tokens, the same answers and the same footprint."""
+    if OLD_CHUNKING:
+        pytest.skip("transformers < 5.24 numbers every chunk of a chunked prefill from position 0")
+    from evaluation.tasks.needle import needle_examples
+
+    model, tokenizer = smollm2
+    for example in needle_examples("niah_single", tokenizer, True, 2048, 3, first=100):
+        seg = example.segments
+        ids = torch.tensor([seg.context + seg.question + seg.tail])
+        answers, fractions = set(), []
+        for chunk in (None, 256, 512, 1000):
+            cache = VarRateCache.from_pretrained("smollm2-135m-instruct")
+            options = {} if chunk is None else {"prefill_chunk_size": chunk}
+            out = greedy(model, ids, cache, new=12, **options)
+            answers.add(tokenizer.decode(out[0, ids.shape[1]:]))
+            fractions.append(cache.footprint().fraction)
+        assert len(answers) == 1, f"{example.example_id}: {answers}"
+        assert max(fractions) - min(fractions) < 0.01 and max(fractions) < 0.21
