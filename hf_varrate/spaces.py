@@ -39,7 +39,7 @@ class CodingSpaces:
     def _upload(self, layer_idx: int, device: torch.device) -> torch.Tensor:
         if layer_idx not in self.bases.tensors:
             raise BasesError(f"bases have no tensor for layer {layer_idx}; they cover {sorted(self.bases.tensors)}")
-        return self.bases.tensors[layer_idx].to(device=device, dtype=torch.float32, copy=True).contiguous()
+        return self.bases.tensors[layer_idx].to(device=device, dtype=torch.float32).contiguous()
 
     def attention_basis(self, layer_idx: int, balance: str, device, heads: int, dim: int,
                         key_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
