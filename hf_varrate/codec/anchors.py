@@ -17,6 +17,23 @@ def exact_mask(seq_len: int, stride: int, window: int, device=None) -> torch.Ten
     return mask
 
 
+def exact_positions(seq_len: int, stride: int, window: int, device=None) -> torch.Tensor:
+    """[E] long: the positions `exact_mask` marks, in increasing order, built from their closed form (no
+    `nonzero`, whose data-dependent size reads the device back on a GPU)."""
+    start = max(seq_len - window, 0)  # the recent window
+    return torch.cat((torch.arange(0, start, stride, device=device), torch.arange(start, seq_len, device=device)))
+
+
+def coded_positions(seq_len: int, stride: int, window: int, device=None) -> torch.Tensor:
+    """[C] long: the positions `exact_mask` leaves out, in increasing order: before the window, every token
+    but the multiples of `stride` (k-th of them: k + k // (stride - 1) + 1), in closed form."""
+    start = max(seq_len - window, 0)
+    if stride == 1:
+        return torch.zeros(0, dtype=torch.long, device=device)
+    k = torch.arange(start - -(-start // stride), device=device)
+    return k + k // (stride - 1) + 1
+
+
 def anchor_positions(seq_len: int, stride: int, device=None) -> torch.Tensor:
     """[A] long: positions 0, stride, 2*stride, ... (the anchors; a subset of the exact set)."""
     return torch.arange(0, seq_len, stride, device=device)

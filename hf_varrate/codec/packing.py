@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .anchors import anchor_positions, exact_mask
+from .anchors import anchor_positions, coded_positions, exact_positions
 from .quantization import QuantizedCoefs
 
 
@@ -35,6 +35,9 @@ class PromptCode:
     stored_exactly: bool = False
     exact_keys: torch.Tensor | None = field(default=None, repr=False)  # [1, H, E, d]
     exact_values: torch.Tensor | None = field(default=None, repr=False)  # [1, H, E, d]
+    # the coefficients' layout (`pipeline.code_layout`), derived from `ranks` once: deriving it reads the
+    # ranks back to the host, which a decoding step must not do on a GPU
+    layout: object = field(default=None, repr=False, compare=False)
 
     # positions (derived) -------------------------------------------------------------------------
     @property
@@ -46,22 +49,19 @@ class PromptCode:
         """[E] long: positions stored exactly (anchors + window; every token when stored_exactly)."""
         if self.stored_exactly:
             return torch.arange(self.seq_len, device=self.device)
-        return self._mask().nonzero()[:, 0]
+        return exact_positions(self.seq_len, self.stride, self.window, self.device)
 
     @property
     def coded_pos(self) -> torch.Tensor:
         """[C] long: positions coded at a rank, in increasing order (the order of `ranks`)."""
         if self.stored_exactly:
             return torch.zeros(0, dtype=torch.long, device=self.device)
-        return (~self._mask()).nonzero()[:, 0]
+        return coded_positions(self.seq_len, self.stride, self.window, self.device)
 
     @property
     def anchor_pos(self) -> torch.Tensor:
         """[A] long: the anchors, a subset of the exact positions; `neighbours` index into them."""
         return anchor_positions(self.seq_len, self.stride, self.device)
-
-    def _mask(self) -> torch.Tensor:
-        return exact_mask(self.seq_len, self.stride, self.window, self.device)
 
     # bytes ---------------------------------------------------------------------------------------
     def nbytes(self, limit: int | None = None, kv_bytes: int | None = None) -> int:

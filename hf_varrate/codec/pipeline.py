@@ -197,8 +197,11 @@ def decode_prompt(code: PromptCode, exact_keys, exact_values, cos, sin, basis, *
 
 
 def code_layout(code: PromptCode) -> RankOrder | DenseOrder:
-    """The layout the encoder chose for this code's coefficients (`_plan`, from what the code holds)."""
-    return _plan(code.ranks, code.coefs.group if isinstance(code.coefs, QuantizedCoefs) else 1)
+    """The layout the encoder chose for this code's coefficients (`_plan`, from what the code holds), derived
+    on the first call and kept on the code (`PromptCode.layout`)."""
+    if code.layout is None:
+        code.layout = _plan(code.ranks, code.coefs.group if isinstance(code.coefs, QuantizedCoefs) else 1)
+    return code.layout
 
 
 def coef_values(code: PromptCode) -> torch.Tensor:

@@ -84,27 +84,31 @@ def quantize(x: torch.Tensor, ranks: torch.Tensor, bits: int, group: int) -> Qua
 
 def dequantize(coefs: QuantizedCoefs, ranks: torch.Tensor) -> torch.Tensor:
     """[N] fp32: min + q * step for every coefficient of the stream."""
-    sizes = group_sizes(ranks, coefs.group)
+    sizes = group_sizes(ranks, coefs.group, coefs.mins.numel())
     q = unpack_bits(coefs.codes, coefs.bits, coefs.count).float()
     mins = torch.repeat_interleave(coefs.mins.float(), sizes, output_size=coefs.count)
     steps = torch.repeat_interleave(coefs.steps.float(), sizes, output_size=coefs.count)
     return q.mul_(steps).add_(mins)
 
 
-def group_sizes(ranks: torch.Tensor, group: int) -> torch.Tensor:
-    """[G] how many coefficients each group holds: `group`, except a token's last group (r_t mod group)."""
+def group_sizes(ranks: torch.Tensor, group: int, n_groups: int | None = None) -> torch.Tensor:
+    """[G] how many coefficients each group holds: `group`, except a token's last group (r_t mod group).
+    `n_groups` (G, where the caller knows it: a stream's `mins.numel()`) spares reading the ranks back to the
+    host, which a GPU would wait for."""
     ranks = ranks.long()
     counts = group_counts(ranks, group)
-    sizes = torch.full((int(counts.sum()),), group, dtype=torch.long, device=ranks.device)
-    has = counts > 0
-    last = (torch.cumsum(counts, 0) - 1)[has]  # each token's last group
-    sizes[last] = ranks[has] - group * (counts[has] - 1)
-    return sizes
+    ends = torch.cumsum(counts, 0)  # one past each token's last group
+    if n_groups is None:
+        n_groups = int(ends[-1]) if ends.numel() else 0
+    g = torch.arange(n_groups, device=ranks.device)
+    token = torch.searchsorted(ends, g, right=True)  # the token that holds group g
+    k = g - (ends - counts).index_select(0, token)  # g's index among its token's groups
+    return (ranks.index_select(0, token) - k * group).clamp_(max=group)
 
 
 def error_bound(coefs: QuantizedCoefs, ranks: torch.Tensor) -> torch.Tensor:
     """[N] the largest |x - dequantize(x)| rounding allows: half a step of the value's group."""
-    sizes = group_sizes(ranks, coefs.group)
+    sizes = group_sizes(ranks, coefs.group, coefs.mins.numel())
     return torch.repeat_interleave(coefs.steps.float(), sizes, output_size=coefs.count) / 2
 
 
