@@ -12,7 +12,7 @@ the floors below it:
 2. codec/ (Algorithm 1 as pure tensor functions, one stage per module; its signals register themselves)
 3. rotary, card, hub (transport only), bases_checks, spaces (the bases' derived copies), bases, attention
 4. layers/ (one class per storage mode over a shared prefill), then binding (the query hook)
-5. cache_checks, serialization (file I/O), then cache (`VarRateCache`)
+5. layer_checks, cache_checks, serialization (file I/O), then cache (`VarRateCache`)
 6. press (kvpress), calibration/, models, demo, cli
 """
 

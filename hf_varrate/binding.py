@@ -103,7 +103,8 @@ def prefill_hook(module, args, kwargs):
         layer.coded_reads = attention == ATTENTION
         if not layer.coded_reads:
             _say_the_codes_could_be_read(cache, layer, attention)
-    if not isinstance(layer, VarRateLayer) or not layer.awaits_prefill or hidden.shape[1] <= 1:
+    if not isinstance(layer, VarRateLayer) or hidden.shape[1] <= 1 or not (
+            layer.awaits_prefill or layer.takes_turns(hidden.shape[0])):  # neither a prompt nor a later turn
         return None
     cos, sin = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]
     window = min(layer.config.obs_window, hidden.shape[1])

@@ -145,7 +145,8 @@ class VarRateCache(Cache):
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         check_fits(self.model_shape, layer_idx, num_kv_heads=key_states.shape[1], head_dim=key_states.shape[-1])
         layer = self.layers[layer_idx]
-        if isinstance(layer, VarRateLayer) and layer.awaits_prefill and key_states.shape[-2] > 1:
+        batch, new = key_states.shape[0], key_states.shape[-2]
+        if isinstance(layer, VarRateLayer) and new > 1 and (layer.awaits_prefill or layer.takes_turns(batch)):
             if layer.prefill_context is None:  # no bound model handed it over
                 layer.prefill_context = self._unbound_context(layer, key_states, args, kwargs)
         elif isinstance(layer, VarRateLayer) and layer.holding:  # decoding starts: the prompt is complete
@@ -182,6 +183,8 @@ class VarRateCache(Cache):
         for i, layer in enumerate(self.layers):
             if isinstance(layer, VarRateLayer) and layer.holding:
                 self._finish_prompt(i)
+            elif isinstance(layer, VarRateLayer) and layer.turn_held:  # a later turn, coded if long enough
+                layer.finish_turn()
         self.rope_memo.clear()
         return self
 

@@ -103,6 +103,14 @@ class VarRateConfig:
             "'varrate' attention implementation, attends over the codes, about twice as fast)."
         },
     )
+    min_turn_tokens: int | None = field(
+        default=256,
+        metadata={"group": "runtime",
+            "help": "A later turn (what arrives in multi-token forwards after the prompt is coded, e.g. a second "
+            "document pasted into a chat) with at least this many tokens is coded as a segment of its own once "
+            "complete; shorter turns and decoded tokens stay exact. None keeps every later token exact."
+        },
+    )
     coef_bits: int | None = field(
         default=None,
         metadata={"group": "paper",

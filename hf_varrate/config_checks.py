@@ -61,6 +61,8 @@ def check_config(config) -> None:
     check_choice("projection_dtype", config.projection_dtype, PROJECTION_DTYPES)
     check_range("key_weight", config.key_weight, 0.0, 1e6, low_open=True,
                  fix="use e.g. key_weight=4.0 (or 1.0: off)")
+    if config.min_turn_tokens is not None:
+        check_int(config, "min_turn_tokens", config.min_turn_tokens, 2)
     check_range("flat_floor", config.flat_floor, 0.0, 1.0, fix="use e.g. flat_floor=0.5 (half the flat rank)")
     if config.anchor_share is not None:
         check_range("anchor_share", config.anchor_share, 0.0, 1.0, low_open=True,

@@ -4,7 +4,8 @@ Orchestration only; the arithmetic is in `hf_varrate.codec`. The prompt is what 
 multi-token forwards while the layer is empty (one prefill, or a chunked prefill's chunks): it is held
 exactly, and its forwards attend to it exactly, until it is complete: at the first one-token forward
 (decoding), or when the cache is asked (`VarRateCache.compress`, and what reads or copies the codes).
-Then the layer codes it as one prompt (`finish_prompt`), and every later token is stored exactly.
+Then the layer codes it as one prompt (`finish_prompt`). A long later turn is coded the same way, as a
+segment of its own (`hf_varrate.layers.turns`); tokens decoded one at a time are stored exactly.
 How the coded prompt is held is the subclass's one job (`MaterializedLayer`, `CompactLayer`): `_store`
 when it is coded, `_append` afterwards, `read`, `exact_tokens`, `footprint` and `crop`. A cache switches
 storage by swapping layer objects (`from_layer`); a saved cache's layers round-trip through
@@ -26,6 +27,7 @@ from ..errors import CacheFileError
 from ..rotary import RopeMemo, RotaryFrequencies
 from .context import PrefillContext, crop_context, merge_contexts, select_context
 from .rows import Row, all_finite, row_inputs, slots_of
+from .turns import HeldTurn, Turn, TurnsMixin
 
 UNBOUND_MESSAGE = (
     "VarRateCache needs the model bound to it to see the prefill's queries (a query-aware signal, or bases "
@@ -70,7 +72,7 @@ def kept_after_crop(length: int, tokens: int) -> int:
     return length
 
 
-class VarRateLayer(DynamicLayer):
+class VarRateLayer(TurnsMixin, DynamicLayer):
     """One full-attention layer: compresses its prompt once, then grows like a DynamicLayer.
 
     `codes[b]` is sequence b's `PromptCode`; `spans[b]` the cache slots of its real (non-padding)
@@ -100,7 +102,9 @@ class VarRateLayer(DynamicLayer):
         self.offsets: list[int | None] = []
         self.prompt_len = 0  # cache slots of the prompt (padding included)
         self.prompt_kept = 0  # the same, after crops into the prompt
-        self.appended = 0
+        self.appended = 0  # tokens after the prompt, coded later turns included
+        self.turns: list[Turn] = []  # coded later turns, in order
+        self.held_turn: HeldTurn | None = None  # a later turn still arriving
 
     @classmethod
     def from_layer(cls, layer: VarRateLayer) -> VarRateLayer:
@@ -153,6 +157,10 @@ class VarRateLayer(DynamicLayer):
         elif not self.prefilled:  # a one-token start: nothing to code, a plain DynamicLayer from here on
             self.prefilled = True
             return super().update(key_states, value_states)
+        if key_states.shape[-2] > 1:  # a later turn, or one chunk of it: held exactly until it is complete
+            self._hold_turn(key_states.shape[0])
+        else:
+            self.finish_turn()
         self.appended += key_states.shape[-2]
         return self._append(key_states, value_states, coded_read)
 
@@ -231,11 +239,13 @@ class VarRateLayer(DynamicLayer):
         raise NotImplementedError
 
     def _full_bytes(self) -> tuple[int, int, list[int]]:
-        """(full K/V bytes of what is held, bytes of the appended tokens, each row's prompt tokens kept)."""
+        """(full K/V bytes of what is held, bytes of the appended tokens stored exactly, each row's prompt tokens
+        kept)."""
         per_token = self.codes[0].width * self.codes[0].kv_bytes
         kept = [int((slots_of(span, "cpu") < self.prompt_kept).sum()) for span in self.spans]
-        tail = self.appended * len(self.codes) * per_token
-        return sum(kept) * per_token + tail, tail, kept
+        rows = len(self.codes)
+        exact = (self.appended - sum(turn.kept for turn in self.turns)) * rows * per_token
+        return (sum(kept) + self.appended * rows) * per_token, exact, kept
 
     # cache operations: the tensors follow DynamicLayer, the per-sequence codes follow the tensors -------
     def reset(self) -> None:
@@ -256,6 +266,7 @@ class VarRateLayer(DynamicLayer):
             return
         if self.holding:
             self.held_context = crop_context(self.held_context, self.get_seq_length())
+        self._crop_turns(self.get_seq_length())
         removed = length - self.get_seq_length()
         self.prompt_kept = min(self.prompt_kept, self.get_seq_length())
         self.appended = max(self.appended - removed, 0)
@@ -291,6 +302,9 @@ class VarRateLayer(DynamicLayer):
             self.codes = [self.codes[i] for i in rows]
             self.spans = [self.spans[i] for i in rows]
             self.offsets = [self.offsets[i] for i in rows]
+            self.turns = [turn.select_rows(rows) for turn in self.turns]
+        if self.held_turn is not None and rows != [0]:
+            self.held_turn = None  # more rows than one sequence: the turn stays exact
 
     # saved caches --------------------------------------------------------------------------------------
     def to_tensors(self, prefix: str) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -311,12 +325,23 @@ class VarRateLayer(DynamicLayer):
                 row_tensors["slots"] = span
             rows.append(row)
             tensors.update({f"{prefix}.rows.{b}.{name}": t for name, t in row_tensors.items()})
+        turns = []
+        for t, turn in enumerate(self.turns):
+            turn_info, turn_tensors = turn.to_tensors([self.turn_exact_tokens(turn, b) for b in range(len(turn.codes))])
+            turns.append(turn_info)
+            tensors.update({f"{prefix}.turns.{t}.{name}": tensor for name, tensor in turn_tensors.items()})
         tail_k, tail_v = self.appended_tokens()
         tensors[f"{prefix}.appended_keys"], tensors[f"{prefix}.appended_values"] = tail_k, tail_v
         info = {"kind": "varrate", "prompt_len": self.prompt_len, "prompt_kept": self.prompt_kept,
                 "appended": self.appended, "rows": rows, "dtype": str(tail_k.dtype).removeprefix("torch.")}
+        if turns:
+            info["turns"] = turns
         return info, tensors
 
     def appended_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The tokens added after the prefill, [B, H, appended, d]."""
+        """The tokens added after the prefill and stored exactly, [B, H, n, d]."""
+        raise NotImplementedError
+
+    def turn_exact_tokens(self, turn: Turn, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row b's exact tokens [1, H, E, d] of a coded later turn."""
         raise NotImplementedError

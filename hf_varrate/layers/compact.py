@@ -15,6 +15,7 @@ from ..attention import CodedRead
 from ..codec import PromptCode, attend_codes, compress_prompt, decode_prompt, matmul_dtype, tensor_bytes
 from .base import LayerFootprint, VarRateLayer, kept_after_crop
 from .rows import covers, slots_of
+from .turns import Turn, exact_pieces
 
 
 class CompactLayer(VarRateLayer):
@@ -44,7 +45,11 @@ class CompactLayer(VarRateLayer):
             raise ValueError(f"layer {self.layer_idx} cannot go compact: {reason}")
         for b, code in enumerate(self.codes):
             code.exact_keys, code.exact_values = layer.exact_tokens(b)  # advanced indexing: copies
-        self.keys, self.values = self._tail(layer.keys, layer.values, layer.appended, start=layer.prompt_kept)
+        for turn in self.turns:
+            for b, code in enumerate(turn.codes):
+                code.exact_keys, code.exact_values = layer.turn_exact_tokens(turn, b)
+        keys, values = layer.appended_tokens()
+        self.keys, self.values = keys.clone(), values.clone()  # views would pin the materialized K/V
 
     @classmethod
     def from_tensors(cls, template: VarRateLayer, info: dict, tensors: dict, prefix: str, device) -> CompactLayer:
@@ -62,6 +67,10 @@ class CompactLayer(VarRateLayer):
             layer.codes.append(PromptCode.from_tensors(row, named, device))
             layer.spans.append(tuple(row["span"]) if row["span"] is not None else named["slots"].to(device))
             layer.offsets.append(row["rope_offset"])
+        for t, turn in enumerate(info.get("turns", [])):
+            named = {name.removeprefix(f"{prefix}.turns.{t}."): tensor for name, tensor in tensors.items()
+                     if name.startswith(f"{prefix}.turns.{t}.")}
+            layer.turns.append(Turn.from_tensors(turn, named, device))
         layer.keys, layer.values = tail_k, tail_v
         return layer
 
@@ -86,9 +95,9 @@ class CompactLayer(VarRateLayer):
         the appended tokens. Padding slots are zeros (the attention mask hides them)."""
         if not self.codes:
             return self.keys, self.values
-        batch, heads, tail, dim = self.keys.shape
+        batch, heads, _, dim = self.keys.shape
         kept = self.prompt_kept
-        shape = (batch, heads, kept + tail, dim)
+        shape = (batch, heads, kept + self.appended, dim)
         keys, values = self.keys.new_empty(shape), self.values.new_empty(shape)
         if any(not covers(span, kept) for span in self.spans):
             keys[:, :, :kept].zero_()
@@ -108,14 +117,28 @@ class CompactLayer(VarRateLayer):
             keep = slots < kept
             keys[b, :, slots[keep]] = k_hat[0][:, keep]
             values[b, :, slots[keep]] = v_hat[0][:, keep]
-        keys[:, :, kept:] = self.keys
-        values[:, :, kept:] = self.values
+        self._read_after_prompt(keys, values, basis, scales)
         return keys, values
+
+    def _read_after_prompt(self, keys, values, basis, scales) -> None:
+        """Fill slots prompt_kept.. of keys / values: the exact tokens, and each coded later turn rebuilt."""
+        at = 0
+        for start, stop in exact_pieces(self.turns, self.prompt_kept, keys.shape[-2]):
+            keys[:, :, start:stop] = self.keys[:, :, at : at + stop - start]
+            values[:, :, start:stop] = self.values[:, :, at : at + stop - start]
+            at += stop - start
+        for turn in self.turns:
+            for b, code in enumerate(turn.codes):
+                cos, sin = self.memo.tables(self.rope, code.seq_len, keys.dtype, keys.device, turn.offset)
+                args = (code, code.exact_keys, code.exact_values, cos, sin, basis)
+                k_hat, v_hat = decode_prompt(*args, scales=scales, projection_dtype=self.config.projection_dtype)
+                keys[b : b + 1, :, turn.start : turn.stop] = k_hat[:, :, : turn.kept]
+                values[b : b + 1, :, turn.start : turn.stop] = v_hat[:, :, : turn.kept]
 
     def attends_codes(self, mask) -> bool:
         """Whether `attend` can read this layer under `mask` (one unpadded, uncropped sequence whose prompt
         was coded, a mask shared by the heads); else the attention rebuilds K/V with `read`."""
-        if len(self.codes) != 1 or self.codes[0].stored_exactly or not self.codes[0].ranks.numel():
+        if len(self.codes) != 1 or self.codes[0].stored_exactly or not self.codes[0].ranks.numel() or self.turns:
             return False
         if self.prompt_kept != self.prompt_len or self.spans[0] != (0, self.prompt_len):
             return False
@@ -140,7 +163,27 @@ class CompactLayer(VarRateLayer):
         return self.codes[b].exact_keys, self.codes[b].exact_values
 
     def appended_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tokens after the prompt stored exactly (coded later turns left out)."""
         return self.keys, self.values
+
+    def turn_exact_tokens(self, turn: Turn, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return turn.codes[b].exact_keys, turn.codes[b].exact_values
+
+    def _turn_tokens(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        at = self._tail_index(start)
+        return self.keys[:, :, at : at + length], self.values[:, :, at : at + length]
+
+    def _tail_index(self, slot: int) -> int:
+        """Where slot `slot` (after the prompt, in no coded turn) sits in the exact tail `keys` / `values`."""
+        return slot - self.prompt_kept - sum(turn.kept for turn in self.turns if turn.start < slot)
+
+    def _store_turn(self, row, coding, scaling, share, start):
+        code = compress_prompt(row.keys, row.values, row.queries, row.cos, row.sin, coding[0], self.config, scaling,
+                               reconstruct=False, scales=coding[1], layer_share=share)[0]
+        exact = code.exact_pos
+        code.exact_keys, code.exact_values = row.keys.index_select(2, exact), row.values.index_select(2, exact)
+        self.keys, self.values = self._tail(self.keys, self.values, self._tail_index(start))  # the turn leaves the tail
+        return code
 
     # accounting and cache operations ---------------------------------------------------------------------
     def footprint(self) -> LayerFootprint:
@@ -149,6 +192,7 @@ class CompactLayer(VarRateLayer):
             return LayerFootprint(self.layer_idx, "exact", held, held)
         full, tail, _ = self._full_bytes()
         held = sum(code.nbytes() for code in self.codes) + tensor_bytes(self.keys, self.values)
+        held += sum(code.nbytes() for turn in self.turns for code in turn.codes)
         held += sum(tensor_bytes(span) for span in self.spans if torch.is_tensor(span))
         return LayerFootprint(self.layer_idx, "varrate", held, full, self.rows_stored_exactly, tail, held)
 
@@ -163,11 +207,11 @@ class CompactLayer(VarRateLayer):
         if keep == 0:  # nothing left: the next prompt is a new one, coded afresh
             self._empty()
             return
-        removed = length - keep
-        from_tail = min(removed, self.appended)
-        self.keys, self.values = self._tail(self.keys, self.values, self.appended - from_tail)
-        self.appended -= from_tail
-        self.prompt_kept -= removed - from_tail
+        self._crop_turns(keep)
+        self.appended = max(keep - self.prompt_kept, 0)
+        self.prompt_kept = min(self.prompt_kept, keep)
+        exact = self.appended - sum(turn.kept for turn in self.turns)
+        self.keys, self.values = self._tail(self.keys, self.values, exact)
 
     @staticmethod
     def _tail(keys, values, count: int, start: int = 0):
