@@ -44,11 +44,11 @@ from .bases_checks import (  # noqa: F401 (re-exported: the artifact's names and
     read_files,
     shape_metadata,
 )
-from .card import render_card
+from .card import render_card, tensor_header
 from .config import VarRateConfig
 from .errors import BasesError, CalibrationOverrideWarning, VarRateWarning
 from .files import replacing_folder
-from .hub import download_bases, upload_folder
+from .hub import check_subfolder, download_files, upload_files
 from .rotary import RotaryFrequencies
 from .spaces import CodingSpaces
 from .shipped import shipped_path
@@ -72,10 +72,11 @@ class Bases:
         # fp32 on the CPU from the start, so what is in memory is what a save and a load give back
         self.spectra = {int(i): s.detach().to("cpu", torch.float32).contiguous() for i, s in (spectra or {}).items()}
         self.spaces = CodingSpaces(self)  # what coding and reading derive from the stored tensors, kept
-        # where `from_pretrained` read them (an absolute folder or a Hub repo id, and its revision): a saved
-        # cache records it, to read the same bases again from any working directory
+        # where `from_pretrained` read them (an absolute folder or a Hub repo id, its revision and subfolder):
+        # a saved cache records it, to read the same bases again from any working directory
         self.source: str | None = None
         self.revision: str | None = None
+        self.subfolder: str | None = None
 
     # construction -----------------------------------------------------------------------------------
     @classmethod
@@ -227,7 +228,8 @@ class Bases:
 
         self.check()
         tensors = self._named_tensors(dtype)
-        blob = save(tensors, metadata={"format": "pt", "library": "hf_varrate"})
+        blob = save(tensors, metadata=tensor_header("bases", self.metadata.get("model_id"), FORMAT_VERSION,
+                                                    rank=self.metadata.get("rank")))
         check_tensors(tensors, self.metadata)  # what fp16 rounding left must still be a valid basis
         meta = {**self.metadata, "dtype": str(dtype).removeprefix("torch."), "format_version": FORMAT_VERSION,
                 "library_version": __version__, "sha256": {WEIGHTS_NAME: hashlib.sha256(blob).hexdigest()}}
@@ -247,38 +249,49 @@ class Bases:
         tensors.update({f"spectrum.{i}": s.clone() for i, s in sorted(self.spectra.items())})
         return tensors
 
-    def push_to_hub(self, repo_id: str, *, private: bool | None = None, revision: str | None = None,
-                    token: str | None = None, commit_message: str | None = None):
-        """Save to a temporary folder and upload it (`HfApi.create_repo` + `upload_folder`)."""
+    def push_to_hub(self, repo_id: str, *, subfolder: str | None = None, private: bool | None = None,
+                    revision: str | None = None, token: str | bool | None = None, commit_message: str | None = None,
+                    create_pr: bool = False):
+        """Save to a temporary folder and upload it as one commit (`push_folder`); returns the `CommitInfo`."""
         with tempfile.TemporaryDirectory(prefix="hf_varrate-bases-") as folder:
             self.save_pretrained(folder)
-            return push_folder(folder, repo_id, private=private, revision=revision, token=token,
-                               commit_message=commit_message)
+            return push_folder(folder, repo_id, subfolder=subfolder, private=private, revision=revision, token=token,
+                               commit_message=commit_message, create_pr=create_pr)
 
     @classmethod
-    def from_pretrained(cls, path_or_repo_id: str | os.PathLike, revision=None, cache_dir=None,
-                        local_files_only=False, token=None) -> Bases:
-        """Load the shipped bases of that name (`hf_varrate.shipped.SHIPPED`), else from a local directory,
-        else from the Hub (`huggingface_hub.snapshot_download`: works offline from the HF cache, `revision`
-        may be a branch, tag or commit). Always verified."""
-        shipped = shipped_path(path_or_repo_id)
+    def from_pretrained(cls, path_or_repo_id: str | os.PathLike, revision: str | None = None, cache_dir=None,
+                        local_files_only: bool = False, token: str | bool | None = None, *,
+                        subfolder: str | None = None, force_download: bool = False) -> Bases:
+        """Load the shipped bases of that name (`hf_varrate.shipped.SHIPPED`), else from a local directory
+        (its `subfolder`), else from a Hub repo (`huggingface_hub.snapshot_download`; the standard arguments:
+        `revision` a branch, tag, commit or refs/pr/N, `subfolder`, `cache_dir`, `force_download`,
+        `local_files_only`, `token`; offline it reads the HF cache). Always verified (sha256, every tensor)."""
+        subfolder = check_subfolder(subfolder)
+        shipped = None if subfolder else shipped_path(path_or_repo_id)
         if shipped is not None:  # recorded by name, which resolves in any installation
             bases = read_artifact(shipped)
             bases.source = str(path_or_repo_id)
             return bases
-        folder = Path(path_or_repo_id).expanduser()
-        if not folder.is_dir():
-            if looks_local(str(path_or_repo_id)):
-                raise BasesError(f"{path_or_repo_id} is not a directory holding bases ({WEIGHTS_NAME}, "
-                                 f"{CONFIG_NAME}); build bases there with: {BUILD_HINT}")
-            folder = download_bases(str(path_or_repo_id), revision=revision, cache_dir=cache_dir,
-                                    local_files_only=local_files_only, token=token)
+        root = Path(path_or_repo_id).expanduser()
+        folder = root / subfolder if subfolder else root
+        if folder.is_dir():
             bases = read_artifact(folder)
-            bases.source, bases.revision = str(path_or_repo_id), revision
+            bases.source = str(folder.resolve())
             return bases
+        if looks_local(str(path_or_repo_id)):
+            raise BasesError(f"{folder} is not a directory holding bases ({WEIGHTS_NAME}, {CONFIG_NAME}); build "
+                             f"bases there with: {BUILD_HINT}")
+        folder = download_files(str(path_or_repo_id), ARTIFACT_FILES, required=(WEIGHTS_NAME, CONFIG_NAME),
+                                error=BasesError, hint=_PULL_HINT, subfolder=subfolder, revision=revision,
+                                cache_dir=cache_dir, force_download=force_download,
+                                local_files_only=local_files_only, token=token)
         bases = read_artifact(folder)
-        bases.source = str(folder.resolve())
+        bases.source, bases.revision, bases.subfolder = str(path_or_repo_id), revision, subfolder
         return bases
+
+
+_PULL_HINT = (f"Pass a folder that holds {WEIGHTS_NAME} and {CONFIG_NAME}, the name of shipped bases, or a Hub repo "
+              f"id, or build bases with: {BUILD_HINT}")
 
 
 def read_artifact(folder: str | os.PathLike) -> Bases:
@@ -286,20 +299,23 @@ def read_artifact(folder: str | os.PathLike) -> Bases:
     return Bases(*read_files(folder))
 
 
-def push_folder(folder: str | os.PathLike, repo_id: str, *, private: bool | None = None,
-                revision: str | None = None, token: str | bool | None = None, commit_message: str | None = None):
-    """Verify a bases folder, then upload its three files to `repo_id` (created if missing).
+def push_folder(folder: str | os.PathLike, repo_id: str, *, subfolder: str | None = None,
+                private: bool | None = None, revision: str | None = None, token: str | bool | None = None,
+                commit_message: str | None = None, create_pr: bool = False):
+    """Verify a bases folder, then upload its three files to `repo_id` (created if missing) as one commit,
+    into `subfolder` if given (several models' bases can share a repo).
 
     The card's usage snippet is re-rendered to name `repo_id`; `config.json` and the tensors are
-    uploaded byte for byte. `revision` is a branch, created from main if it does not exist.
-    Returns what `HfApi.upload_folder` returns (the commit info).
+    uploaded byte for byte. `revision` is a branch, created from main if it does not exist;
+    `create_pr=True` opens a pull request instead (its `refs/pr/N` is `.pr_revision` of the result).
+    Returns `HfApi.create_commit`'s `CommitInfo`.
     """
     bases = read_artifact(folder)  # never upload something that would not load
     with tempfile.TemporaryDirectory(prefix="hf_varrate-push-") as staging:
         for name in (WEIGHTS_NAME, CONFIG_NAME):
             shutil.copyfile(Path(folder) / name, Path(staging) / name)
-        (Path(staging) / CARD_NAME).write_text(render_card(bases.metadata, bases_ref=repo_id,
-                                                           spectrum=bool(bases.spectra)))
+        (Path(staging) / CARD_NAME).write_text(render_card(bases.metadata, bases_ref=repo_id, spectrum=bool(bases.spectra),
+                                                           subfolder=check_subfolder(subfolder)))
         message = commit_message or f"Upload VarRate bases for {bases.metadata.get('model_id')}"
-        return upload_folder(staging, repo_id, private=private, revision=revision, token=token,
-                             commit_message=message)
+        return upload_files(staging, repo_id, ARTIFACT_FILES, subfolder=subfolder, private=private,
+                            revision=revision, token=token, commit_message=message, create_pr=create_pr)

@@ -25,7 +25,7 @@ from .errors import BasesError, VarRateWarning
 from .layers import LAYER_CLASSES, CompactLayer, LayerFootprint, MaterializedLayer, PrefillContext, VarRateLayer
 from .signals import SIGNALS
 from .rotary import RopeMemo, RotaryFrequencies
-from .serialization import load_cache, save_cache
+from .serialization import load_cache, push_cache, save_cache
 
 __all__ = ["Footprint", "VarRateCache"]
 
@@ -118,7 +118,8 @@ class VarRateCache(Cache):
 
     @classmethod
     def from_pretrained(cls, path_or_repo_id, model=None, *, preset: str = "recommended", revision=None,
-                        cache_dir=None, local_files_only=False, token=None, **config_overrides) -> VarRateCache:
+                        subfolder=None, cache_dir=None, force_download=False, local_files_only=False, token=None,
+                        **config_overrides) -> VarRateCache:
         """Load bases (local directory first, then the Hub) and build a cache coding with them.
 
         Without `model`, the cache lays out its layers and rotates keys as the bases record (bases written
@@ -127,9 +128,11 @@ class VarRateCache(Cache):
         it (`hf_varrate.bind`), which query-aware signals ('snapkv', 'shuffle') need to see the prefill's
         queries. `preset` picks the defaults: 'recommended' (the default: see `VarRateConfig.preset`) or
         'paper' (the paper's Section 4.1, for reproduction); keyword arguments override single fields
-        (budget=0.3, storage='compact', ...). See `Bases.config` for how the bases shape them."""
-        bases = Bases.from_pretrained(path_or_repo_id, revision=revision, cache_dir=cache_dir,
-                                      local_files_only=local_files_only, token=token)
+        (budget=0.3, storage='compact', ...). See `Bases.config` for how the bases shape them. The Hub
+        arguments (revision, subfolder, cache_dir, force_download, local_files_only, token) are
+        `Bases.from_pretrained`'s."""
+        bases = Bases.from_pretrained(path_or_repo_id, revision=revision, subfolder=subfolder, cache_dir=cache_dir,
+                                      force_download=force_download, local_files_only=local_files_only, token=token)
         config = bases.config(preset, stacklevel=3, **config_overrides)
         if model is None:
             _check_servable_unbound(bases, config)
@@ -248,13 +251,25 @@ class VarRateCache(Cache):
         self.compress()
         save_cache(self, save_directory)
 
+    def push_to_hub(self, repo_id: str, *, subfolder: str | None = None, private: bool | None = None,
+                    revision: str | None = None, token: str | bool | None = None, commit_message: str | None = None,
+                    create_pr: bool = False):
+        """Save this cache and upload it with a model card to the Hub repo `repo_id` as one commit, for
+        `VarRateCache.load(repo_id, model=model)` elsewhere (`serialization.push_cache`). Returns the `CommitInfo`."""
+        return push_cache(self, repo_id, subfolder=subfolder, private=private, revision=revision, token=token,
+                          commit_message=commit_message, create_pr=create_pr)
+
     @classmethod
-    def load(cls, directory: str | os.PathLike, model, *, bases: Bases | None = None, **config_overrides) -> VarRateCache:
-        """Load a cache saved by `save_pretrained` for `model` (bound on return). The bases are the ones it was
-        saved with (read again from where they came, or pass `bases=`). Only runtime settings may be given
-        (`VarRateConfig.runtime_fields()`: storage=, projection_dtype=); what was fixed when the prompt was
-        coded (budget, balance, ...) is refused with a ValueError naming it."""
-        return load_cache(cls, directory, model, bases=bases, **config_overrides)
+    def load(cls, path_or_repo_id: str | os.PathLike, model, *, bases: Bases | None = None, revision=None,
+             subfolder=None, cache_dir=None, force_download=False, local_files_only=False, token=None,
+             **config_overrides) -> VarRateCache:
+        """Load a cache saved by `save_pretrained` (a folder) or `push_to_hub` (a Hub repo id, with the standard Hub
+        arguments) for `model` (bound on return), checked alike. The bases are the ones it was saved with (read
+        again from where they came, or pass `bases=`). Only runtime settings may be given (storage=,
+        projection_dtype=); a coding-time one (budget, balance, ...) is refused with a ValueError naming it."""
+        return load_cache(cls, path_or_repo_id, model, bases=bases, revision=revision, subfolder=subfolder,
+                          cache_dir=cache_dir, force_download=force_download, local_files_only=local_files_only,
+                          token=token, **config_overrides)
 
     def __deepcopy__(self, memo):
         self.compress()  # a copy answers from the codes, as the original will

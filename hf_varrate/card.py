@@ -1,4 +1,7 @@
-"""The model card (README.md) of a bases artifact, rendered from the template shipped as package data."""
+"""What an artifact says about itself: the model card (README.md) of a bases artifact or of a saved cache
+pushed to the Hub, rendered from the templates shipped as package data, and the string header of its
+safetensors file (`tensor_header`: library, kind, format version, model id), so a tensor file found on
+its own still says what it is."""
 
 from __future__ import annotations
 
@@ -7,24 +10,42 @@ from importlib import resources
 from string import Template
 
 from .bases_checks import BUILD_HINT, WEIGHTS_NAME
+from .version import __version__
 
 CARD_TAGS = ["hf_varrate", "varrate", "kv-cache", "kv-cache-compression", "long-context"]
+CACHE_TAGS = [*CARD_TAGS, "compressed-kv-cache"]
+UNKNOWN_LICENSE = "other"  # the Hub's value for a license not in its list (the base model's terms apply)
 
 
-def render_card(metadata: dict, bases_ref: str | None = None, spectrum: bool = False) -> str:
-    """The README.md model card of a bases artifact, from the template shipped as package data;
-    `spectrum`: whether the tensor file also holds the calibration singular values."""
+def tensor_header(kind: str, model_id, format_version: int, **extra) -> dict[str, str]:
+    """The string metadata of an artifact's safetensors file: `kind` ('bases' or 'cache'), the library and
+    its version, the artifact's format version, the model id and `extra` fields (None values left out)."""
+    header = {"format": "pt", "library": "hf_varrate", "library_version": __version__, "kind": kind,
+              "format_version": str(format_version), "model_id": model_id, **extra}
+    return {key: str(value) for key, value in header.items() if value is not None}
+
+
+def card_data_yaml(model_id, license: str | None, tags: list[str]) -> str:
+    """The card's YAML header: base_model (a Hub id only), library_name, license, tags."""
     from huggingface_hub import ModelCardData
 
-    model_id = metadata.get("model_id")
     hub_id = model_id if isinstance(model_id, str) and _is_repo_id(model_id) else None
-    card_data = ModelCardData(base_model=hub_id, library_name="hf_varrate", license=metadata.get("license"),
-                              tags=CARD_TAGS)
+    return ModelCardData(base_model=hub_id, library_name="hf_varrate", license=license or UNKNOWN_LICENSE,
+                         tags=tags).to_yaml()
+
+
+def render_card(metadata: dict, bases_ref: str | None = None, spectrum: bool = False,
+                subfolder: str | None = None) -> str:
+    """The README.md model card of a bases artifact, from the template shipped as package data;
+    `spectrum`: whether the tensor file also holds the calibration singular values; `bases_ref` and
+    `subfolder`: where the usage snippet loads them from."""
+    model_id = metadata.get("model_id")
+    ref = bases_ref or metadata.get("bases_ref") or "path/or/repo-id/of/these/bases"
     template = Template(resources.files("hf_varrate").joinpath("hub_assets/model_card.md").read_text("utf-8"))
     return template.safe_substitute(
-        card_data=card_data.to_yaml(),
+        card_data=card_data_yaml(model_id, metadata.get("license"), CARD_TAGS),
         model_name=model_id or "<model>",
-        bases_ref=bases_ref or metadata.get("bases_ref") or "path/or/repo-id/of/these/bases",
+        bases_args=f'"{ref}"' + (f', subfolder="{subfolder}"' if subfolder else ""),
         shape_table=_shape_table(metadata, spectrum),
         calibration_section=_calibration_section(metadata),
         quality_section=_quality_section(metadata),
@@ -83,6 +104,30 @@ def _quality_section(meta: dict) -> str:
             for key, label in (("calibrated", "these bases"), ("identity", "identity basis (no calibration)"))
             if key in quality]
     return "\n".join([head, *rows])
+
+
+def render_cache_card(meta: dict, tensors_sha256: str, repo_id: str, subfolder: str | None = None) -> str:
+    """The README.md card of a saved cache pushed to `repo_id` (`meta`: its parsed cache_config.json)."""
+    model, bases, config = meta.get("model", {}), meta.get("bases", {}), meta.get("config", {})
+    tokens = max((layer.get("prompt_len", 0) + layer.get("appended", 0) for layer in meta.get("layers", [])
+                  if isinstance(layer, dict) and layer.get("kind") == "varrate"), default=0)
+    rows = [
+        ("model", f"`{model.get('model_id')}`"),
+        ("bases", f"`{bases.get('source')}`" + (f" (revision {bases['revision']})" if bases.get("revision") else "")
+         + (f", subfolder `{bases['subfolder']}`" if bases.get("subfolder") else "")),
+        ("budget, storage", f"{config.get('budget')}, {config.get('storage')}"),
+        ("layers (compressed)", f"{model.get('num_layers')} ({len(model.get('compressed_layers', []))})"),
+        ("tokens held", tokens or "see cache_config.json"),
+        ("sha256 of cache.safetensors", f"`{tensors_sha256}`"),
+        ("hf_varrate version", meta.get("library_version")),
+    ]
+    template = Template(resources.files("hf_varrate").joinpath("hub_assets/cache_card.md").read_text("utf-8"))
+    return template.safe_substitute(
+        card_data=card_data_yaml(model.get("model_id"), None, CACHE_TAGS),
+        model_name=model.get("model_id") or "<model>",
+        cache_args=f'"{repo_id}"' + (f', subfolder="{subfolder}"' if subfolder else ""),
+        table="\n".join(f"| {name} | {value} |" for name, value in rows),
+    )
 
 
 def _is_repo_id(name: str) -> bool:

@@ -55,10 +55,13 @@ class VarRatePress:
                             f"use VarRatePress.from_pretrained(path_or_repo_id)")
 
     @classmethod
-    def from_pretrained(cls, path_or_repo_id, *, preset: str = "recommended", **config_overrides) -> VarRatePress:
-        """Load bases like VarRateCache.from_pretrained, with the same `preset` and the same rules
-        (`Bases.config`); keyword arguments override VarRateConfig fields."""
-        bases = Bases.from_pretrained(path_or_repo_id)
+    def from_pretrained(cls, path_or_repo_id, *, preset: str = "recommended", revision=None, subfolder=None,
+                        cache_dir=None, force_download=False, local_files_only=False, token=None,
+                        **config_overrides) -> VarRatePress:
+        """Load bases like VarRateCache.from_pretrained, with the same `preset`, the same Hub arguments and the
+        same rules (`Bases.config`); keyword arguments override VarRateConfig fields."""
+        bases = Bases.from_pretrained(path_or_repo_id, revision=revision, subfolder=subfolder, cache_dir=cache_dir,
+                                      force_download=force_download, local_files_only=local_files_only, token=token)
         return cls(bases, bases.config(preset, stacklevel=3, **config_overrides))
 
     def post_init_from_model(self, model):

@@ -21,6 +21,11 @@ prompt was coded (budget, balance, stride ...) is fixed for good: `load` takes o
 settings (`VarRateConfig.runtime_fields()`: storage, projection_dtype).
 A cache saved in either storage mode holds codes only, so it is as small as the footprint says.
 
+The same folder is a Hub repo (or a subfolder of one): `push_cache` uploads the two files and a model
+card as one commit (`hf_varrate.hub`), and `load_cache` takes a repo id with the standard Hub arguments
+(revision, subfolder, cache_dir, force_download, local_files_only, token), downloads the two files into
+the HF cache and checks them exactly as a local folder's, so another server answers from the same codes.
+
 This module owns the files: writing and reading them. What a layer or a code holds in them is the
 layer's and the code's business (`to_tensors` / `from_tensors`), so the saved-cache format changes in
 one place; the checks of the parsed contents live in `hf_varrate.cache_checks`, with the file names and
@@ -32,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -41,7 +47,9 @@ from safetensors.torch import load_file, save_file
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from .bases import Bases
+from .bases_checks import CARD_NAME, looks_local
 from .binding import bind
+from .card import render_cache_card, tensor_header
 from .cache_checks import (
     CONFIG_NAME,
     FLOAT_DTYPES,
@@ -56,6 +64,7 @@ from .cache_checks import (
 from .config import VarRateConfig
 from .errors import BasesError, CacheFileError, VarRateWarning
 from .files import interrupted_save, replacing_folder, sha256_file
+from .hub import check_subfolder, download_files, upload_files
 from .layers import LAYER_CLASSES, CompactLayer, VarRateLayer
 from .shipped import shipped_path
 from .version import __version__
@@ -88,16 +97,17 @@ def save_cache(cache, directory: str | os.PathLike) -> None:
     if cache.rope is not None:
         tensors["rope.inv_freq"] = cache.rope.inv_freq
     tensors = {name: t.detach().contiguous().cpu().clone() for name, t in tensors.items()}
+    header = tensor_header("cache", cache.model_shape.model_id, FORMAT_VERSION, bases=_bases_source(cache))
     with replacing_folder(directory, (TENSORS_NAME, CONFIG_NAME), "VarRate cache") as folder:
-        _write_tensors(tensors, folder / TENSORS_NAME, Path(directory))
+        _write_tensors(tensors, header, folder / TENSORS_NAME, Path(directory))
         meta = _metadata(cache, layers, sha256_file(folder / TENSORS_NAME))
         with open(folder / CONFIG_NAME, "xb") as handle:
             handle.write(json.dumps(seal(meta), indent=1, sort_keys=True).encode())
 
 
-def _write_tensors(tensors: dict, path: Path, target: Path) -> None:
+def _write_tensors(tensors: dict, header: dict, path: Path, target: Path) -> None:
     try:
-        save_file(tensors, str(path), metadata={"format": "pt", "library": "hf_varrate"})
+        save_file(tensors, str(path), metadata=header)
     except SafetensorError as err:  # safetensors reports a full disk or an I/O error as its own type
         raise OSError(f"could not write the cache's tensors for {target}: {err}; nothing there was changed "
                       f"(free some space, or save elsewhere)") from err
@@ -112,6 +122,7 @@ def _metadata(cache, layers: list, tensors_sha256: str) -> dict:
         "model": {"model_id": shape.model_id, "num_layers": shape.num_layers, "num_kv_heads": shape.num_kv_heads,
                   "head_dim": shape.head_dim, "compressed_layers": list(shape.compressed_layers)},
         "bases": {"source": _bases_source(cache), "revision": getattr(cache.bases, "revision", None),
+                  "subfolder": getattr(cache.bases, "subfolder", None),
                   "sha256": bases_fingerprint(cache.bases), "dtype": _bases_dtype(cache.bases)},
         "rope_scaling": None if cache.rope is None else cache.rope.scaling,
         "layers": layers,
@@ -134,20 +145,22 @@ def _save_layer(i: int, layer, tensors: dict) -> dict:
 
 
 # loading -----------------------------------------------------------------------------------------------
-def load_cache(cls, directory: str | os.PathLike, model, *, bases: Bases | None = None, device=None,
-               **runtime):
-    """Rebuild a saved cache for `model` (see `VarRateCache.load`). Every field and tensor is checked
-    (`check_layers`) before anything is built, so a bad file is refused with `CacheFileError`; `runtime`
-    may set only the runtime settings (storage, projection_dtype)."""
+def load_cache(cls, path_or_repo_id: str | os.PathLike, model, *, bases: Bases | None = None, device=None,
+               revision: str | None = None, subfolder: str | None = None, cache_dir=None, force_download: bool = False,
+               local_files_only: bool = False, token: str | bool | None = None, **runtime):
+    """Rebuild a saved cache for `model` (see `VarRateCache.load`) from a folder or a Hub repo id (`locate`).
+    Every field and tensor is checked (`check_layers`) before anything is built, so a bad file is refused
+    with `CacheFileError`; `runtime` may set only the runtime settings (storage, projection_dtype)."""
     if model is None:
-        raise CacheFileError("model= is required: VarRateCache.load(directory, model=model)")
-    folder = Path(directory)
+        raise CacheFileError("model= is required: VarRateCache.load(path_or_repo_id, model=model)")
+    hub = {"cache_dir": cache_dir, "local_files_only": local_files_only, "token": token}
+    folder = locate(path_or_repo_id, revision=revision, subfolder=subfolder, force_download=force_download, **hub)
     meta = read_config(folder)
     config = _saved_config(meta, runtime, folder)
     tensors = read_tensors(folder, meta)
     for note in check_model(meta, model, folder):
         warnings.warn(note, VarRateWarning, stacklevel=3)
-    bases = bases if bases is not None else _load_bases(meta, model)
+    bases = bases if bases is not None else _load_bases(meta, model, hub)
     if bases_fingerprint(bases) != meta["bases"]["sha256"]:
         raise CacheFileError(f"{folder} was coded with other bases than the ones given (sha256 differs); pass the "
                              f"bases it was saved with: VarRateCache.load(dir, model=model, bases=...)")
@@ -164,6 +177,41 @@ def load_cache(cls, directory: str | os.PathLike, model, *, bases: Bases | None 
         _load_layer(cache, i, info, tensors, device)
     bind(model)
     return cache
+
+
+def locate(path_or_repo_id: str | os.PathLike, *, subfolder: str | None = None, **hub) -> Path:
+    """The local folder of a saved cache: `path_or_repo_id` (its `subfolder`) if that is a folder or can only
+    be a path, else the repo's two files downloaded into the HF cache (`hub.download_files`)."""
+    subfolder = check_subfolder(subfolder)
+    folder = Path(path_or_repo_id).expanduser() / (subfolder or "")
+    if folder.is_dir() or looks_local(str(path_or_repo_id)) or interrupted_save(folder) is not None:
+        return folder
+    return download_files(str(path_or_repo_id), (TENSORS_NAME, CONFIG_NAME), required=(TENSORS_NAME, CONFIG_NAME),
+                          error=CacheFileError, subfolder=subfolder, **hub,
+                          hint="Pass the folder a cache was saved to (cache.save_pretrained(dir)) or the Hub repo "
+                               "it was pushed to (cache.push_to_hub(repo_id))")
+
+
+def push_cache(cache, repo_id: str, *, subfolder: str | None = None, commit_message: str | None = None, **upload):
+    """Save `cache` to a temporary folder, read it back through the loader's checks, and upload its two files
+    and a model card to `repo_id` as one commit (`hub.upload_files`: `private`, `revision`, `token`,
+    `create_pr`). Returns the `CommitInfo`."""
+    cache.compress()  # a held prompt is coded first, as save_pretrained does
+    source = _bases_source(cache)
+    if source and source != "identity" and shipped_path(source) is None and Path(source).is_absolute():
+        warnings.warn(f"the cache's bases were read from the local folder {source}, which another machine cannot "
+                      f"read: push them too (bases.push_to_hub(repo_id)) and build caches from the repo id, or pass "
+                      f"bases= to VarRateCache.load there", VarRateWarning, stacklevel=3)
+    with tempfile.TemporaryDirectory(prefix="hf_varrate-cache-") as staging:
+        folder = Path(staging) / "cache"
+        save_cache(cache, folder)
+        meta = read_config(folder)
+        read_tensors(folder, meta)  # never upload what would not load
+        card = render_cache_card(meta, meta["sha256"], repo_id, check_subfolder(subfolder))
+        (folder / CARD_NAME).write_text(card, encoding="utf-8")
+        message = commit_message or f"Upload a VarRate-compressed cache for {cache.model_shape.model_id}"
+        return upload_files(folder, repo_id, (TENSORS_NAME, CONFIG_NAME, CARD_NAME), subfolder=subfolder,
+                            commit_message=message, **upload)
 
 
 def _saved_config(meta: dict, runtime: dict, folder: Path) -> VarRateConfig:
@@ -219,7 +267,7 @@ def read_tensors(folder: Path, meta: dict) -> dict[str, torch.Tensor]:
         raise CacheFileError(f"{path} is not a readable safetensors file ({err}); save the cache again") from err
 
 
-def _load_bases(meta: dict, model) -> Bases:
+def _load_bases(meta: dict, model, hub: dict) -> Bases:
     source = meta["bases"].get("source")
     if source == "identity":
         dtype = FLOAT_DTYPES.get(meta["bases"].get("dtype") or "float32")
@@ -233,8 +281,12 @@ def _load_bases(meta: dict, model) -> Bases:
     revision = meta["bases"].get("revision")
     if revision is not None and not isinstance(revision, str):
         raise CacheFileError(f"bases.revision is {revision!r}, expected null or a Hub revision; save the cache again")
+    subfolder = meta["bases"].get("subfolder")
+    if subfolder is not None and not isinstance(subfolder, str):
+        raise CacheFileError(f"bases.subfolder is {subfolder!r}, expected null or a folder in the repo; save the "
+                             f"cache again")
     try:
-        return Bases.from_pretrained(source, revision=revision)
+        return Bases.from_pretrained(source, revision=revision, subfolder=subfolder, **hub)
     except (BasesError, OSError) as err:
         raise CacheFileError(f"could not read the bases the cache was saved with ({source}): {err}; pass them: "
                              f"VarRateCache.load(dir, model=model, bases=...)") from err
