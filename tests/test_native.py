@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hf_varrate
-from hf_varrate.codec import attend, native
+from hf_varrate.codec import attend, native, native_build
 from hf_varrate.codec.quantization import dequantize_runs, quantize
 
 from test_attention import attention, compact  # noqa: F401 (fixture)
@@ -21,9 +21,9 @@ needs_native = pytest.mark.skipif(not native.available(), reason="the C loops co
 @pytest.fixture
 def rebuilt_library():
     """Forget the loaded library before and after a test that changes how it is found."""
-    native._library.cache_clear()
+    native_build.library.cache_clear()
     yield
-    native._library.cache_clear()
+    native_build.library.cache_clear()
 
 
 def _runs(rows_and_ranks):
@@ -172,12 +172,17 @@ def test_the_loops_give_the_same_bits_on_any_number_of_threads():
 
 
 @needs_native
-def test_out_of_range_indices_are_left_to_pytorch_which_raises():
+def test_out_of_range_indices_raise_index_error_as_pytorch_would():
+    """The C loops do not check their indices: the ops do, before the loop reads out of bounds."""
     anchors, turns, queries = torch.randn(4, 16), torch.randn(10, 8, 2), torch.randn(1, 1, 16)
     proj = torch.randn(3, 16)
-    assert native.coded_key_scores(proj, anchors, torch.tensor([[0], [4], [1]]), turns, torch.arange(3), queries) is None
-    assert native.coded_key_scores(proj, anchors, torch.zeros(3, 1, dtype=torch.long), turns, torch.tensor([0, 1, 10]),
-                                   queries) is None
+    with pytest.raises(IndexError, match=r"neighbours out of range.*\[0, 4\), got \[0, 4\]"):
+        native.coded_key_scores(proj, anchors, torch.tensor([[0], [4], [1]]), turns, torch.arange(3), queries)
+    with pytest.raises(IndexError, match="positions out of range"):
+        native.coded_key_scores(proj, anchors, torch.zeros(3, 1, dtype=torch.long), turns, torch.tensor([0, 1, 10]),
+                                queries)
+    with pytest.raises(IndexError, match="anchor rows out of range"):
+        native.anchor_keys(torch.randn(1, 5, 16), torch.tensor([0, 5]), torch.arange(2), turns, 2)
     assert native.coded_key_scores(proj, anchors, torch.zeros(3, 1, dtype=torch.long), turns, torch.arange(3),
                                    queries) is not None
 

@@ -1,0 +1,142 @@
+"""The C loops of `native.c` as torch custom ops (namespace ``hf_varrate``), so that `torch.compile` can trace
+a read that uses them.
+
+Each op has a CPU kernel (the C loop, through `native_build.library()`) and a fake implementation (the
+output's shape and dtype, for tracing). They are registered for the CPU only: on any other device `native`
+returns None and the caller takes its PyTorch path, which is what a GPU runs. A traced graph holds the op
+as one opaque node, so the C loop reads real memory at run time, never a traced tensor's (a ctypes call on a
+fake tensor, which has no memory, could crash the process).
+
+Arguments are as `native`'s wrappers pass them: contiguous, in the dtypes listed there. An index out of
+range raises IndexError (the C loops do not check), as the PyTorch path's indexing would.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .native_build import library
+
+_NAMESPACE = "hf_varrate"
+
+
+def _ptr(tensor: torch.Tensor) -> int:
+    return tensor.data_ptr()
+
+
+def _check_range(index: torch.Tensor, size: int, name: str) -> None:
+    if index.numel() and not (0 <= int(index.min()) and int(index.max()) < size):  # CPU tensors: no device sync
+        raise IndexError(f"{name} out of range: indices must lie in [0, {size}), got [{int(index.min())}, "
+                         f"{int(index.max())}]")
+
+
+def _loops():
+    loops = library()
+    if loops is None:  # `native` calls an op only where the library is loaded
+        raise RuntimeError("hf_varrate's C loops are not loaded: call the PyTorch path instead")
+    return loops
+
+
+def dequantize_runs_loop(codes: torch.Tensor, steps: torch.Tensor, mins: torch.Tensor, runs: torch.Tensor, group: int,
+                         count: int, bf16: bool) -> torch.Tensor:
+    """4-bit codes uint8 [ceil(count / 2)], steps and mins fp32 [groups], runs int64 [n, 3] (first, stop, rank)
+    -> values [count], bf16 or fp32."""
+    out = torch.empty(count, dtype=torch.bfloat16 if bf16 else torch.float32)
+    codes, steps, mins, runs = codes.contiguous(), steps.contiguous(), mins.contiguous(), runs.contiguous()
+    _loops().dequantize_runs(_ptr(codes), _ptr(steps), _ptr(mins), _ptr(runs), runs.shape[0], group, _ptr(out),
+                             int(bf16), torch.get_num_threads())
+    return out
+
+
+dequantize_runs = torch.library.custom_op(f"{_NAMESPACE}::dequantize_runs", dequantize_runs_loop,
+                                          mutates_args=(), device_types="cpu")
+
+
+@dequantize_runs.register_fake
+def _(codes, steps, mins, runs, group, count, bf16):
+    return codes.new_empty(count, dtype=torch.bfloat16 if bf16 else torch.float32)
+
+
+def coded_key_scores_loop(proj: torch.Tensor, anchors: torch.Tensor, neighbours: torch.Tensor, turns: torch.Tensor,
+                          positions: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    """proj [C, H * d] fp32 or bf16, anchors [A, H * d] fp32, neighbours [C, n] int64, turns [S, d/2, 2] fp32,
+    positions [C] int64, queries [H, rows, d] fp32 -> scores [H, rows, C] fp32 (`native.coded_key_scores`)."""
+    _check_range(neighbours, anchors.shape[0], "neighbours")
+    _check_range(positions, turns.shape[0], "positions")
+    heads, rows, dim = queries.shape
+    scores = torch.empty(heads, rows, proj.shape[0])
+    proj, anchors, neighbours = proj.contiguous(), anchors.contiguous(), neighbours.contiguous()
+    turns, positions, queries = turns.contiguous(), positions.contiguous(), queries.contiguous()
+    _loops().coded_key_scores(_ptr(proj), int(proj.dtype == torch.bfloat16), proj.shape[0], heads, dim, _ptr(anchors),
+                              _ptr(neighbours), neighbours.shape[1], _ptr(turns), _ptr(positions), _ptr(queries), rows,
+                              _ptr(scores), torch.get_num_threads())
+    return scores
+
+
+coded_key_scores = torch.library.custom_op(f"{_NAMESPACE}::coded_key_scores", coded_key_scores_loop,
+                                           mutates_args=(), device_types="cpu")
+
+
+@coded_key_scores.register_fake
+def _(proj, anchors, neighbours, turns, positions, queries):
+    return queries.new_empty(queries.shape[0], queries.shape[1], proj.shape[0], dtype=torch.float32)
+
+
+def anchor_keys_loop(exact_keys: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, turns: torch.Tensor,
+                     n_neighbours: int) -> torch.Tensor:
+    """exact_keys [H, E, d] fp32, rows and positions [A] int64, turns [S, d/2, 2] fp32 -> [A, H * d] fp32
+    (`native.anchor_keys`)."""
+    heads, n_exact, dim = exact_keys.shape
+    _check_range(rows, n_exact, "anchor rows")
+    _check_range(positions, turns.shape[0], "positions")
+    keys, rows, positions, turns = exact_keys.contiguous(), rows.contiguous(), positions.contiguous(), turns.contiguous()
+    out = torch.empty(rows.numel(), heads * dim)
+    _loops().anchor_keys(_ptr(keys), heads, n_exact, dim, _ptr(rows), _ptr(positions), rows.numel(), _ptr(turns),
+                         n_neighbours, _ptr(out))
+    return out
+
+
+anchor_keys = torch.library.custom_op(f"{_NAMESPACE}::anchor_keys", anchor_keys_loop,
+                                      mutates_args=(), device_types="cpu")
+
+
+@anchor_keys.register_fake
+def _(exact_keys, rows, positions, turns, n_neighbours):
+    return exact_keys.new_empty(rows.shape[0], exact_keys.shape[0] * exact_keys.shape[2], dtype=torch.float32)
+
+
+def add_anchor_shares_loop(coded: torch.Tensor, exact: torch.Tensor, neighbours: torch.Tensor,
+                           anchor_rows: torch.Tensor) -> None:
+    """exact[..., anchor_rows[neighbours[t, n]]] += coded[..., t] / n for every t and n, in place: coded [..., C]
+    and exact [..., E] fp32 with their last dim contiguous, neighbours [C, n] and anchor_rows [A] int64. In one
+    C pass where both have the same leading strides and those flatten to rows of one stride (views into one
+    buffer, as `attend` splits its weights); else (e.g. `exact` copied by a traced graph) with index_add_."""
+    _check_range(neighbours, anchor_rows.numel(), "neighbours")
+    _check_range(anchor_rows, exact.shape[-1], "anchor rows")
+    if shares_rows(coded, exact):
+        row_stride = coded.stride(-2) if coded.dim() > 1 else coded.shape[-1]
+        _loops().add_anchor_shares(_ptr(coded), _ptr(exact), coded.shape[:-1].numel(), row_stride, coded.shape[-1],
+                                   _ptr(neighbours), neighbours.shape[1], _ptr(anchor_rows), torch.get_num_threads())
+        return
+    share = coded / neighbours.shape[1]
+    for targets in anchor_rows.index_select(0, neighbours.t().reshape(-1)).view(neighbours.shape[1], -1):
+        exact.index_add_(-1, targets, share)
+
+
+add_anchor_shares = torch.library.custom_op(f"{_NAMESPACE}::add_anchor_shares", add_anchor_shares_loop,
+                                            mutates_args=("exact",), device_types="cpu")
+
+
+@add_anchor_shares.register_fake
+def _(coded, exact, neighbours, anchor_rows):
+    return None
+
+
+def shares_rows(coded: torch.Tensor, exact: torch.Tensor) -> bool:
+    """Whether `add_anchor_shares`'s C loop can walk coded and exact together: fp32, last dims contiguous, the
+    same leading strides, flattening to rows of one stride."""
+    if coded.dtype != torch.float32 or exact.dtype != torch.float32 or coded.stride(-1) != 1 or exact.stride(-1) != 1:
+        return False
+    if coded.stride()[:-1] != exact.stride()[:-1] or coded.shape[:-1] != exact.shape[:-1]:
+        return False
+    return all(coded.stride(i) == coded.stride(i + 1) * coded.shape[i + 1] for i in range(coded.dim() - 2))
