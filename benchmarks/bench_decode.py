@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import time
 
 import torch
 from transformers import DynamicCache
@@ -33,10 +32,10 @@ def decode(model, cache, first: torch.Tensor, new: int) -> tuple[list[float], li
     steps, tokens, token = [], [], first
     with torch.no_grad():
         for _ in range(new):
-            start = time.perf_counter()
+            start = common.clock()
             logits = model(token, past_key_values=cache, logits_to_keep=1).logits
             token = logits[:, -1:].argmax(-1)
-            steps.append(time.perf_counter() - start)
+            steps.append(common.clock() - start)
             tokens.append(int(token))
     return steps, tokens
 
@@ -65,6 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--budget", type=float, default=0.2)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="where the model and the caches live: cpu or cuda[:index]")
     parser.add_argument("--configs", default="full,materialized,compact")
     parser.add_argument("--preset", choices=PRESETS, default="paper",
                         help="the VarRate configs' preset ('recommended': from_pretrained's default)")
@@ -100,8 +100,9 @@ def markdown(result: dict, args, configs: list[str]) -> str:
         rows.append([name, rate["median"], rate["median"] / base,
                      rate["median"] / materialized if materialized else "", rate["spread"],
                      footprints[name]["held"] / 2**20, footprints[name]["held"] / footprints["full"]["held"]])
+    device = f"{env['cuda']} ({env['device']})" if env.get("cuda") else f"{args.threads} CPU thread(s)"
     return (f"## Decode at {args.length} tokens, {args.model} {args.dtype}, preset {args.preset!r}, "
-            f"budget {args.budget}, {args.threads} thread(s)\n\n"
+            f"budget {args.budget}, {device}\n\n"
             + common.table(["cache", "tok/s (median)", "vs full", "vs materialized", "spread (max-min)/median",
                             "K/V held MiB", "held vs full"], rows)
             + f"\n\n`+codes`: under the \"varrate\" attention implementation (compact layers attend over their codes). "
@@ -112,6 +113,7 @@ def markdown(result: dict, args, configs: list[str]) -> str:
 
 def main(argv=None):
     args = parse_args(argv)
+    common.use_device(args.device)
     doc = common.captured_document(args.model, args.dtype, args.length, args.threads)
     model, configs = doc.model, args.configs.split(",")
     caches = build_caches(model, doc.bases, doc.captured, args.budget, configs, args.preset)

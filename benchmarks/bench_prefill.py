@@ -22,7 +22,6 @@ The exponent of codec time against length is fitted per (model, dtype) from the 
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -71,11 +70,11 @@ def varrate_prefill(model, ids, bases, config) -> tuple[float, float]:
 
 def _timed(fn, spent):
     def wrapper(*args, **kwargs):
-        start = time.perf_counter()
+        start = common.clock()
         try:
             return fn(*args, **kwargs)
         finally:
-            spent[0] += time.perf_counter() - start
+            spent[0] += common.clock() - start
     return wrapper
 
 
@@ -88,11 +87,11 @@ def _hook_timers(model, spent):
     modules = attention_modules(model)
     for module in modules:
         handles.append(module.register_forward_pre_hook(
-            lambda m, a, k: marks.__setitem__(m, time.perf_counter()), with_kwargs=True))
+            lambda m, a, k: marks.__setitem__(m, common.clock()), with_kwargs=True))
     bind(model)
     for module in modules:
         def stop(m, a, k):
-            spent[0] += time.perf_counter() - marks.pop(m, time.perf_counter())
+            spent[0] += common.clock() - marks.pop(m, common.clock())
         handles.append(module.register_forward_pre_hook(stop, with_kwargs=True))
     return handles
 
@@ -105,7 +104,7 @@ def replay_codec(model, bases, captured, config, implementation="fast") -> tuple
 
 def stage_profile(model, bases, captured, config) -> dict:
     cache = VarRateCache(bases, config, model=model)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:  # on CUDA: each stage's host time, launches included
         wall = common.replay_into(cache, model, captured)
     stages = {e.key.removeprefix("varrate."): e.cpu_time_total / 1e6 for e in prof.key_averages()
               if e.key.startswith("varrate.")}
@@ -242,7 +241,9 @@ def markdown(results, env, args) -> str:
              "seconds; reference path = the same with implementation='reference' (the codec before the fast path); in run = codec / (wall - codec) inside real VarRate prefills, so both halves share the "
              "machine's load at that moment; end to end = VarRate prefill / plain prefill - 1 (one sample each "
              "at long lengths: the noisiest). Spread = (max - min) / median of the replays.",
-             f"Machine: {env['cpu']}, {env['cores']} cores shared with other jobs (load average at start "
+             (f"Device: {env['cuda']} ({env['device']}); the stage shares are host-side times (the profiler's CPU "
+              f"view: launches, and waits where a stage reads a result back). " if env["cuda"] else "")
+             + f"Machine: {env['cpu']}, {env['cores']} cores shared with other jobs (load average at start "
              f"{tuple(round(x, 1) for x in env['load_average'])}, at end {tuple(round(x, 1) for x in env['load_average_end'])}).",
              f"Command: python benchmarks/bench_prefill.py {' '.join(args.argv)}".rstrip()]
     return "\n".join(lines)
@@ -268,8 +269,10 @@ def main(argv=None):
     parser.add_argument("--reference-up-to", type=int, default=4096,
                         help="also replay implementation='reference' (the codec before this work) up to this length")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="where the model and the codec run: cpu or cuda[:index]")
     parser.add_argument("--out", default="prefill")
     args = parser.parse_args(argv)
+    common.use_device(args.device)
     args.argv = sys.argv[1:] if argv is None else argv
     args.config = VarRateConfig.preset(args.preset, budget=args.budget)
     common.set_threads(args.threads)

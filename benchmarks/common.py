@@ -27,8 +27,34 @@ from evaluation.capture import Captured, capture, replay  # noqa: E402
 
 
 # environment ---------------------------------------------------------------------------------------------
+DEVICE = torch.device("cpu")  # where the models run (`use_device`, from each script's --device)
+
+
 def set_threads(threads: int) -> None:
     torch.set_num_threads(threads)
+
+
+def use_device(name: str) -> torch.device:
+    """Run the benchmark's models on `name` ('cpu', 'cuda', 'cuda:1'); exits with the reason where torch
+    cannot reach that device."""
+    global DEVICE
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {name}: torch {torch.__version__} sees no CUDA device (built with CUDA "
+                         f"{torch.version.cuda or 'none: a CPU-only build'}); run on a machine with an NVIDIA GPU "
+                         f"and a CUDA build of torch, or pass --device cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise SystemExit(f"--device must be cpu or cuda[:index], got {name!r}")
+    DEVICE = device
+    return device
+
+
+def clock() -> float:
+    """Wall seconds, once the device has finished what was queued (CUDA runs asynchronously: without the
+    synchronization a timing would measure the kernel launches only)."""
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
+    return time.perf_counter()
 
 
 def environment() -> dict:
@@ -47,7 +73,7 @@ def environment() -> dict:
         pass
     return {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
             "cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "device": str(DEVICE), "cuda": torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else None,
             "native_loops": native.available(), "load_average": os.getloadavg(),
             "time": time.strftime("%Y-%m-%d %H:%M:%S")}
 
@@ -57,7 +83,7 @@ def load(name: str, dtype: str = "float32"):
     from hf_varrate.models import load_default_model
 
     model, tokenizer = load_default_model(name, dtype=getattr(torch, dtype))
-    return model.eval(), tokenizer
+    return model.to(DEVICE).eval(), tokenizer
 
 
 def bases_for(name: str, model):
@@ -80,10 +106,10 @@ def document_ids(tokenizer, length: int, seed: int = 0) -> torch.Tensor:
         ids = tokenizer(essay_text()[: length * 8], add_special_tokens=False)["input_ids"]
         while len(ids) < length:
             ids = ids + ids
-        return torch.tensor([ids[:length]])
+        return torch.tensor([ids[:length]], device=DEVICE)
     except ImportError:
         g = torch.Generator().manual_seed(seed)
-        return torch.randint(100, min(tokenizer.vocab_size, 30000), (1, length), generator=g)
+        return torch.randint(100, min(tokenizer.vocab_size, 30000), (1, length), generator=g).to(DEVICE)
 
 
 # capture and replay of a prefill: the toolkit evaluation/ uses (evaluation/capture.py) -----------------------
@@ -93,7 +119,7 @@ OBS_WINDOW = 64  # rows of each layer's attention input a capture keeps: the win
 def capture_prefill(model, ids: torch.Tensor) -> tuple[Captured, float]:
     """One plain prefill with every layer's codec inputs kept (`evaluation.capture.capture`, wall clock).
     Returns (the capture, the prefill's wall seconds including the capture's copies)."""
-    captured = capture(model, ids, timer=time.perf_counter, hidden_tail=OBS_WINDOW)
+    captured = capture(model, ids, timer=clock, hidden_tail=OBS_WINDOW)
     return captured, captured.seconds
 
 
@@ -101,7 +127,7 @@ def replay_into(cache, model, captured: Captured, hook=None) -> float:
     """Feed a captured prefill to `cache` as a bound model's prefill does (`evaluation.capture.replay`;
     `hook`: the library's prefill hook, by default today's). Returns the wall seconds spent in the
     VarRate layers: the query hook and the update."""
-    return replay(cache, model, captured, timer=time.perf_counter, hook=hook)
+    return replay(cache, model, captured, timer=clock, hook=hook)
 
 
 @dataclass
@@ -134,12 +160,12 @@ def timed_forward(model, ids: torch.Tensor, cache, handles=()) -> float:
     VarRateCache then holds (`compress()`: what a prefill that is reused costs); the hook `handles` are
     removed afterwards, whatever happens."""
     try:
-        start = time.perf_counter()
+        start = clock()
         with torch.no_grad():
             model(ids, past_key_values=cache, logits_to_keep=1)
             if hasattr(cache, "compress"):
                 cache.compress()
-        return time.perf_counter() - start
+        return clock() - start
     finally:
         for handle in handles:
             handle.remove()
@@ -147,9 +173,9 @@ def timed_forward(model, ids: torch.Tensor, cache, handles=()) -> float:
 
 # timing and statistics -----------------------------------------------------------------------------------------
 def timed(fn, *args, **kwargs) -> tuple[float, object]:
-    start = time.perf_counter()
+    start = clock()
     out = fn(*args, **kwargs)
-    return time.perf_counter() - start, out
+    return clock() - start, out
 
 
 def summary(samples: list[float]) -> dict:
@@ -176,7 +202,8 @@ def fit_exponent(lengths: list[int], seconds: list[float]) -> float | None:
 
 # output ----------------------------------------------------------------------------------------------------------
 def write_results(name: str, data: dict, markdown: str) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    """benchmarks/runs/<name>.json and .md (`name` may hold a subfolder: gpu/decode)."""
+    (RESULTS / name).parent.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(data, indent=1, sort_keys=True, default=str) + "\n")
     (RESULTS / f"{name}.md").write_text(markdown.rstrip() + "\n")
     print(markdown)

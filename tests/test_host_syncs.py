@@ -147,3 +147,14 @@ def test_the_counter_sees_each_kind_of_host_read():
         hf_varrate.codec.quantization.group_sizes(torch.tensor([3, 0, 5]), 2)  # no group count: it is read back
         reads["item"](x)  # the test's own reads are not the library's
     assert len(library.found) == 1 and library.found[0].startswith("__int__ at codec/quantization.py:")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without CUDA gets")
+def test_the_gpu_benchmarks_stop_with_the_reason_where_there_is_no_cuda():
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.sh"
+    done = subprocess.run(["bash", str(script)], env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "sees no CUDA device" in done.stderr and "CUDA build of torch" in done.stderr
