@@ -8,7 +8,8 @@ model=model)`) installs the only hooks, `unbind(model)` removes them.
 The package is a one-way stack (tests/test_structure.py keeps it so); each floor imports only from
 the floors below it:
 
-1. errors, version, paths, files, signals (the salience registry), config_checks, config, architecture
+1. errors, version, paths, files, signals (the salience registry), config_checks, config, architecture,
+   devices (which device each layer runs on; the check that its tensors are there)
 2. codec/ (Algorithm 1 as pure tensor functions, one stage per module; its signals register themselves)
 3. rotary, card, hub (transport only), bases_checks, spaces (the bases' derived copies), bases, attention
 4. layers/ (one class per storage mode over a shared prefill), then binding (the query hook)
@@ -21,12 +22,12 @@ from .bases import Bases
 from .binding import bind, bound, is_bound, unbind
 from .cache import Footprint, VarRateCache
 from .config import VarRateConfig
-from .errors import BasesError, CacheFileError, CalibrationOverrideWarning, VarRateWarning
+from .errors import BasesError, CacheFileError, CalibrationOverrideWarning, DeviceMismatchError, VarRateWarning
 from .layers import CompactLayer, LayerFootprint, MaterializedLayer, VarRateLayer
 from .version import __version__
 
 __all__ = [
-    "ATTENTION", "Bases", "BasesError", "CacheFileError", "CalibrationOverrideWarning", "CompactLayer", "Footprint",
-    "LayerFootprint", "MaterializedLayer", "VarRateCache", "VarRateConfig", "VarRateLayer", "VarRateWarning", "bind",
-    "bound", "is_bound", "unbind", "__version__",
+    "ATTENTION", "Bases", "BasesError", "CacheFileError", "CalibrationOverrideWarning", "CompactLayer",
+    "DeviceMismatchError", "Footprint", "LayerFootprint", "MaterializedLayer", "VarRateCache", "VarRateConfig",
+    "VarRateLayer", "VarRateWarning", "bind", "bound", "is_bound", "unbind", "__version__",
 ]

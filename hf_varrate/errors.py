@@ -21,3 +21,7 @@ class BasesError(ValueError):
 
 class CacheFileError(ValueError):
     """A saved cache is missing, corrupt, or does not fit the model (or bases) it is loaded with."""
+
+
+class DeviceMismatchError(ValueError):
+    """A layer's K/V, or a tensor the cache holds for it, is not on the device that layer runs on."""

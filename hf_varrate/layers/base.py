@@ -23,6 +23,7 @@ from transformers.cache_utils import DynamicLayer
 from ..bases import Bases
 from ..codec import PromptCode
 from ..config import VarRateConfig
+from ..devices import check_arrival
 from ..errors import CacheFileError
 from ..rotary import RopeMemo, RotaryFrequencies
 from .context import PrefillContext, crop_context, merge_contexts, select_context
@@ -150,6 +151,7 @@ class VarRateLayer(TurnsMixin, DynamicLayer):
         coded_read, self.coded_reads = self.coded_reads, False  # armed by the hook for this forward only
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        check_arrival(self, key_states, value_states, walk=not self.appended)  # walks the codes once, then compares
         if not self.prefilled and key_states.shape[-2] > 1:
             return self._hold(key_states, value_states)
         if self.holding:  # decoding starts: the prompt is complete
