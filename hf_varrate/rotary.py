@@ -10,7 +10,7 @@ layers (`RopeMemo`), and drops them when its last compact layer has read.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +23,15 @@ class RotaryFrequencies:
 
     inv_freq: torch.Tensor
     scaling: float
+    copies: dict = field(default_factory=dict, compare=False, repr=False)  # device -> inv_freq there
+
+    def inv_freq_on(self, device) -> torch.Tensor:
+        """inv_freq on `device`, copied there once: the tables are recomputed each forward, on each layer's
+        device (a model split across devices), and must not copy from the CPU every time."""
+        device = torch.device(device)
+        if device not in self.copies:
+            self.copies[device] = self.inv_freq.to(device)
+        return self.copies[device]
 
     def tables(self, length: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [1, length, d] for positions 0..length-1."""
@@ -31,9 +40,9 @@ class RotaryFrequencies:
     def tables_at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [1, n, d] at `positions` [n]; for `positions` [B, n] (one row per sequence), [B, n, d]."""
         if positions.dim() == 2:
-            tables = [rope_tables(row, self.inv_freq, self.scaling, dtype) for row in positions]
+            tables = [rope_tables(row, self.inv_freq_on(row.device), self.scaling, dtype) for row in positions]
             return torch.cat([c for c, _ in tables]), torch.cat([s for _, s in tables])
-        return rope_tables(positions, self.inv_freq, self.scaling, dtype)
+        return rope_tables(positions, self.inv_freq_on(positions.device), self.scaling, dtype)
 
     def offset_of(self, cos: torch.Tensor, sin: torch.Tensor, candidates=(0,)) -> int | None:
         """The first offset o among `candidates` for which the model's tables cos, sin [1, n, d] are ours

@@ -62,6 +62,7 @@ from .cache_checks import (
     seal,
 )
 from .config import VarRateConfig
+from .devices import layer_devices
 from .errors import BasesError, CacheFileError, VarRateWarning
 from .files import interrupted_save, replacing_folder, sha256_file
 from .hub import check_subfolder, download_files, upload_files
@@ -172,9 +173,10 @@ def load_cache(cls, path_or_repo_id: str | os.PathLike, model, *, bases: Bases |
     cache.bases_source = meta["bases"].get("source")
     check_rope(cache, tensors, meta, folder)
     check_layers(cache, meta, tensors, folder, dtype=next(model.parameters()).dtype)
+    placed = {} if device is not None else layer_devices(model)  # a model split across devices: each layer's own
     device = device if device is not None else next(model.parameters()).device
     for i, info in enumerate(meta["layers"]):
-        _load_layer(cache, i, info, tensors, device)
+        _load_layer(cache, i, info, tensors, placed.get(i, device))
     bind(model)
     return cache
 

@@ -50,6 +50,15 @@ class CodingSpaces:
             self._split[key] = split_basis(*self.coding_basis(layer_idx, balance, device, key_weight), heads, dim)
         return self._split[key]
 
+    def layer_copies(self, layer_idx: int) -> dict[str, torch.Tensor]:
+        """{name: tensor} of every copy derived for layer `layer_idx` (on each device it was asked for): what a
+        model split across devices must find on that layer's device (`hf_varrate.devices`)."""
+        copies = {f"basis {key}": t for key, t in self._resident.items() if key[0] == layer_idx}
+        for kind, held in (("coding", self._balanced), ("attention", self._split)):
+            copies.update({f"{kind} {key} {i}": t for key, pair in held.items() if key[0] == layer_idx
+                           for i, t in enumerate(pair) if t is not None})
+        return copies
+
     def nbytes(self) -> int:
         """Bytes of every tensor these bases hold: the stored ones and the copies made for coding and reading
         (per device and coding space). Shared by every cache built on them: a per-model cost."""
