@@ -35,8 +35,9 @@ class PromptCode:
     stored_exactly: bool = False
     exact_keys: torch.Tensor | None = field(default=None, repr=False)  # [1, H, E, d]
     exact_values: torch.Tensor | None = field(default=None, repr=False)  # [1, H, E, d]
-    # the coefficients' layout (`pipeline.code_layout`), derived from `ranks` once: deriving it reads the
-    # ranks back to the host, which a decoding step must not do on a GPU
+    # the outcome of choosing the coefficients' layout (`pipeline.code_layout`: a `projection.LayoutShape`,
+    # python numbers only), kept once chosen: choosing reads the ranks back to the host, which a decoding step
+    # must not do on a GPU
     layout: object = field(default=None, repr=False, compare=False)
 
     # positions (derived) -------------------------------------------------------------------------

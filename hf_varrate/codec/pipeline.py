@@ -26,7 +26,7 @@ from .joint import joint_rows
 from .layer_budget import budget_scale
 from .packing import PromptCode, meta_bytes_per_token, smallest_uint
 from .projection import (DenseOrder, RankOrder, decode_blocks, decode_dense, dense_order, encode_blocks, encode_dense,
-                         matmul_dtype, rank_order)
+                         layout_shape, matmul_dtype, rank_order, rebuild_layout)
 from .quantization import SCALE_DTYPE, QuantizedCoefs, dequantize, dequantize_dense, quantize, quantize_dense
 from .reference import decode_reference, encode_reference
 from .rope import rotate_heads
@@ -197,11 +197,12 @@ def decode_prompt(code: PromptCode, exact_keys, exact_values, cos, sin, basis, *
 
 
 def code_layout(code: PromptCode) -> RankOrder | DenseOrder:
-    """The layout the encoder chose for this code's coefficients (`_plan`, from what the code holds), derived
-    on the first call and kept on the code (`PromptCode.layout`)."""
+    """The layout the encoder chose for this code's coefficients (`_plan`, from what the code holds). Choosing
+    it reads the ranks back to the host: that is done once, its outcome kept on the code (`PromptCode.layout`,
+    a `LayoutShape`), and later calls rebuild the layout's tensors on the device without reading anything."""
     if code.layout is None:
-        code.layout = _plan(code.ranks, code.coefs.group if isinstance(code.coefs, QuantizedCoefs) else 1)
-    return code.layout
+        code.layout = layout_shape(_plan(code.ranks, code.coefs.group if isinstance(code.coefs, QuantizedCoefs) else 1))
+    return rebuild_layout(code.layout, code.ranks)
 
 
 def coef_values(code: PromptCode) -> torch.Tensor:

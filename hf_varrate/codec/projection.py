@@ -93,12 +93,7 @@ def rank_order(ranks: torch.Tensor, block: int = BLOCK, merge: float = 0.7) -> R
     are at least `merge` times those reaching the first (so padding wastes at most 1 - merge of a
     merged block's work), which halves the number of small matmuls where ranks thin out slowly.
     """
-    ranks = ranks.long()
-    sorted_ranks, order = torch.sort(ranks, descending=True, stable=True)
-    starts = (torch.cumsum(ranks, 0) - ranks).index_select(0, order)
-    if int(ranks.sum()) < 2**31 - 1:  # int32 offsets: indices built and gathered about 1.3x faster
-        starts = starts.int()
-    ranks = sorted_ranks
+    order, ranks, starts = _rank_sort(ranks.long(), int(ranks.long().sum()))
     width = int(ranks[0]) if ranks.numel() else 0
     edges = torch.arange(0, width + block, block, device=ranks.device).clamp_(max=width)  # j0 of each block, width
     reach = (ranks[None, :] > edges[:, None]).sum(dim=1).tolist()  # tokens with rank > j0
@@ -113,6 +108,43 @@ def rank_order(ranks: torch.Tensor, block: int = BLOCK, merge: float = 0.7) -> R
         j0, j1 = edges[first], edges[last]
         blocks.append((j0, j1, reach[first], reach[last] if j1 < width else int((ranks >= width).sum())))
     return RankOrder(order, ranks, starts, blocks, int(ranks.sum()))
+
+
+def _rank_sort(ranks: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(order, ranks sorted by decreasing rank, each token's start in the packed stream, in that order)."""
+    sorted_ranks, order = torch.sort(ranks, descending=True, stable=True)
+    starts = (torch.cumsum(ranks, 0) - ranks).index_select(0, order)
+    if total < 2**31 - 1:  # int32 offsets: indices built and gathered about 1.3x faster
+        starts = starts.int()
+    return order, sorted_ranks, starts
+
+
+@dataclass(frozen=True)
+class LayoutShape:
+    """What choosing a layout read back from the ranks (python numbers only): enough to build the same
+    layout again from the ranks without reading them back (`rebuild_layout`), as a decoding step on a GPU
+    must not. Kept on a code in place of the layout, whose tensors would cost up to a byte per coefficient."""
+
+    dense: bool
+    total: int
+    blocks: list | None = None  # RankOrder.blocks
+    width: int = 0  # DenseOrder's
+    group: int = 1
+    runs: list | None = None
+
+
+def layout_shape(plan: RankOrder | DenseOrder) -> LayoutShape:
+    if isinstance(plan, DenseOrder):
+        return LayoutShape(True, plan.total, width=plan.width, group=plan.group, runs=plan.runs)
+    return LayoutShape(False, plan.total, blocks=plan.blocks)
+
+
+def rebuild_layout(shape: LayoutShape, ranks: torch.Tensor) -> RankOrder | DenseOrder:
+    """The layout `shape` was taken from, for the same ranks [C]: equal to it, with no read back to the host."""
+    ranks = ranks.long()
+    if shape.dense:
+        return DenseOrder(ranks, shape.width, shape.group, shape.total, shape.runs)
+    return RankOrder(*_rank_sort(ranks, shape.total), shape.blocks, shape.total)
 
 
 def encode_blocks(residuals_sorted: torch.Tensor, basis: torch.Tensor, plan: RankOrder,
