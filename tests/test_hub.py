@@ -77,9 +77,10 @@ def test_card_parses_and_names_the_base_model(tmp_path):
 
 
 def test_card_without_hub_id_has_no_base_model():
-    card = ModelCard(render_card({**META, "model_id": "/some/local/folder"}))
+    card = ModelCard(render_card({**META, "model_id": "/some/local/folder", "license": None}))
     assert card.data.base_model is None
     assert "Not measured" in card.text
+    assert card.data.license == "other"  # unknown: the Hub's value, not a guess
 
 
 # offline: a hand-built HF cache --------------------------------------------------------------------------
@@ -142,25 +143,21 @@ def served(tmp_path):
 def test_download_and_revision_pinning_through_snapshot_download(tmp_path, served):
     hub, first = served
     env = {"HF_ENDPOINT": hub.url, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "0"}
-    main, tag, commit, missing = load_in_subprocess(
-        env, (REPO, {}), (REPO, {"revision": "v1"}), (REPO, {"revision": first}), (REPO, {"revision": "v9"}))
+    main, tag, commit, missing, wrong_folder = load_in_subprocess(
+        env, (REPO, {}), (REPO, {"revision": "v1"}), (REPO, {"revision": first}), (REPO, {"revision": "v9"}),
+        (REPO, {"subfolder": "nothing-here"}))
     assert main == {"calibration": "seed 12"}
     assert tag == commit == {"calibration": "seed 11"}
     assert any(line.startswith(f"GET /{REPO}/resolve/{first}/{WEIGHTS_NAME}") for line in hub.log)
     assert not any("other.bin" in line for line in hub.log)  # only the artifact files are fetched
     assert "not a local directory" in missing["error"] and "RevisionNotFound" in missing["error"]
+    # a repo (or subfolder) without bases names what is missing and where
+    assert "holds no bases.safetensors or config.json" in wrong_folder["error"]
+    assert "subfolder 'nothing-here'" in wrong_folder["error"]
     # what was downloaded is now served offline from the cache, refs included
     offline = {**env, "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"}
     assert load_in_subprocess(offline, (REPO, {"revision": "v1"}), (REPO, {})) == [
         {"calibration": "seed 11"}, {"calibration": "seed 12"}]
-
-
-def test_a_repo_without_bases_names_what_is_missing(tmp_path, served):
-    hub, _ = served
-    env = {"HF_ENDPOINT": hub.url, "HF_HUB_CACHE": str(tmp_path / "hub")}
-    [wrong_folder] = load_in_subprocess(env, (REPO, {"subfolder": "nothing-here"}))
-    assert "holds no bases.safetensors or config.json" in wrong_folder["error"]
-    assert "subfolder 'nothing-here'" in wrong_folder["error"]
 
 
 @pytest.mark.parametrize("subfolder", ["/abs", "../up", "a\\b", 3])
