@@ -54,8 +54,8 @@ def coded_layer(model, overrides):
     return layer
 
 
-@pytest.mark.parametrize("overrides", [{"coef_bits": 4},
-                                       {"preset": "recommended", "budget": 0.3, "projection_dtype": "float32"}])
+@pytest.mark.parametrize("overrides", [{"coef_bits": 4},  # the preset's projection_dtype 'auto' asks the machine
+                                       {"preset": "recommended", "budget": 0.3}])
 @pytest.mark.parametrize("loops", ["native", "torch"])
 def test_a_compiled_read_over_the_codes_equals_the_eager_read(tiny_llama, overrides, loops, attention,  # noqa: F811
                                                               fresh_dynamo):
@@ -67,7 +67,7 @@ def test_a_compiled_read_over_the_codes_equals_the_eager_read(tiny_llama, overri
     with native.disabled() if loops == "torch" else contextlib.nullcontext():
         want = layer.attend(query, None, 0.25)
         got = torch.compile(lambda q: layer.attend(q, None, 0.25), backend=recording(seen), fullgraph=True)(query)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     used = {name for name in OPS if f"hf_varrate.{name}.default" in seen}
     assert used == ({"coded_key_scores", "anchor_keys", "add_anchor_shares"} if loops == "native" else set())
 

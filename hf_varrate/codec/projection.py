@@ -301,6 +301,7 @@ def matmul_dtype(name: str, device) -> torch.dtype:
 
 
 @cache
+@torch.compiler.assume_constant_result  # a property of the machine: torch.compile takes it as a constant
 def _native_bf16(device_type: str) -> bool:
     if device_type == "cuda":
         return torch.cuda.is_bf16_supported()
