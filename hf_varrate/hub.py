@@ -12,11 +12,19 @@ any model; only the artifact's files are fetched. Uploads are one `HfApi.create_
 with `create_pr=True`). The arguments are the standard ones of `from_pretrained` / `push_to_hub` in
 transformers and huggingface_hub: `revision`, `subfolder`, `cache_dir`, `force_download`,
 `local_files_only`, `token`; `private`, `commit_message`, `create_pr`.
+
+Any other storage an fsspec URL names (`s3://bucket/docs/doc-1`, `gs://...`, `file:///srv/docs`,
+`memory://...`) is reached through `fsspec` (the `fsspec` extra, plus the filesystem's own package such
+as s3fs): `put_files` copies a saved folder's files there, the JSON last, and `fetched` copies them back
+into a temporary folder for the same checks.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 
 from .version import __version__
@@ -104,3 +112,42 @@ def upload_files(folder: str | os.PathLike, repo_id: str, names: tuple[str, ...]
                   for name in names if (Path(folder) / name).is_file()]
     return api.create_commit(repo_id, operations, commit_message=commit_message, revision=revision,
                              create_pr=create_pr, repo_type="model")
+
+
+def is_url(path) -> bool:
+    """True for an fsspec URL ('s3://bucket/doc', 'file:///srv/doc', 'memory://doc'): never a Hub repo id."""
+    return isinstance(path, str) and "://" in path
+
+
+@contextmanager
+def fetched(url: str, names: tuple[str, ...], *, error: type[Exception], hint: str) -> Iterator[Path]:
+    """A temporary local folder holding the files `names` copied from the fsspec `url`, removed on exit;
+    `error` (with `hint`) when one is missing there."""
+    fs, root = _filesystem(url)
+    with tempfile.TemporaryDirectory(prefix="hf_varrate-url-") as folder:
+        for name in names:
+            if fs.isfile(f"{root}/{name}"):
+                fs.get_file(f"{root}/{name}", str(Path(folder) / name))
+        missing = [name for name in names if not (Path(folder) / name).is_file()]
+        if missing:
+            raise error(f"{url} holds no {' or '.join(missing)}. {hint}")
+        yield Path(folder)
+
+
+def put_files(folder: str | os.PathLike, url: str, names: tuple[str, ...]) -> None:
+    """Copy the files `names` of `folder` to the fsspec `url` in that order (put the JSON that records the
+    others' sha256 last: a reader between two copies is refused by the checksum, never misled)."""
+    fs, root = _filesystem(url)
+    fs.makedirs(root, exist_ok=True)
+    for name in names:
+        fs.put_file(str(Path(folder) / name), f"{root}/{name}")
+
+
+def _filesystem(url: str):
+    try:
+        from fsspec.core import url_to_fs
+    except ImportError as err:
+        raise ImportError(f"{url!r} is an fsspec URL, which needs fsspec: pip install 'hf_varrate[fsspec]' (and the "
+                          f"filesystem's package, e.g. s3fs for s3://)") from err
+    fs, root = url_to_fs(url)
+    return fs, root.rstrip("/")

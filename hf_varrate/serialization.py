@@ -21,10 +21,10 @@ prompt was coded (budget, balance, stride ...) is fixed for good: `load` takes o
 settings (`VarRateConfig.runtime_fields()`: storage, projection_dtype).
 A cache saved in either storage mode holds codes only, so it is as small as the footprint says.
 
-The same folder is a Hub repo (or a subfolder of one): `push_cache` uploads the two files and a model
-card as one commit (`hf_varrate.hub`), and `load_cache` takes a repo id with the standard Hub arguments
-(revision, subfolder, cache_dir, force_download, local_files_only, token), downloads the two files into
-the HF cache and checks them exactly as a local folder's, so another server answers from the same codes.
+The same folder can be a Hub repo (or a subfolder of one: `push_cache` uploads it with a model card as
+one commit; `load_cache` takes a repo id with the standard Hub arguments) or an fsspec URL (s3://...,
+for `save_cache` and `load_cache`): `hf_varrate.hub` moves the files, which are checked as a local
+folder's, so another server answers from the same codes.
 
 This module owns the files: writing and reading them. What a layer or a code holds in them is the
 layer's and the code's business (`to_tensors` / `from_tensors`), so the saved-cache format changes in
@@ -65,12 +65,14 @@ from .config import VarRateConfig
 from .devices import layer_devices
 from .errors import BasesError, CacheFileError, VarRateWarning
 from .files import interrupted_save, replacing_folder, sha256_file
-from .hub import check_subfolder, download_files, upload_files
+from .hub import check_subfolder, download_files, fetched, is_url, put_files, upload_files
 from .layers import LAYER_CLASSES, CompactLayer, VarRateLayer
 from .shipped import shipped_path
 from .version import __version__
 
 MAX_CONFIG_BYTES = 64 << 20  # per-layer bookkeeping of a large batch stays far below this
+_HINT = ("Pass the folder or URL a cache was saved to (cache.save_pretrained(dir_or_url)) or the Hub repo it was "
+         "pushed to (cache.push_to_hub(repo_id))")
 
 
 def bases_fingerprint(bases: Bases) -> str:
@@ -91,7 +93,12 @@ def bases_fingerprint(bases: Bases) -> str:
 # saving ------------------------------------------------------------------------------------------------
 def save_cache(cache, directory: str | os.PathLike) -> None:
     """Write `cache` (a VarRateCache after its prefill) to `directory` (created if needed), replacing a
-    previous save there as a whole. On any error nothing at `directory` has changed."""
+    previous save there as a whole. On any error nothing at `directory` has changed. An fsspec URL gets the
+    files of a local save (`hub.put_files`)."""
+    if is_url(directory):
+        with tempfile.TemporaryDirectory(prefix="hf_varrate-cache-") as staging:
+            save_cache(cache, Path(staging) / "cache")
+            return put_files(Path(staging) / "cache", str(directory), (TENSORS_NAME, CONFIG_NAME))
     tensors, layers = {}, []
     for i, layer in enumerate(cache.layers):
         layers.append(_save_layer(i, layer, tensors))
@@ -154,6 +161,10 @@ def load_cache(cls, path_or_repo_id: str | os.PathLike, model, *, bases: Bases |
     with `CacheFileError`; `runtime` may set only the runtime settings (storage, projection_dtype)."""
     if model is None:
         raise CacheFileError("model= is required: VarRateCache.load(path_or_repo_id, model=model)")
+    if is_url(path_or_repo_id):  # checked in a temporary local copy
+        url = f"{str(path_or_repo_id).rstrip('/')}/{check_subfolder(subfolder)}" if subfolder else str(path_or_repo_id)
+        with fetched(url, (TENSORS_NAME, CONFIG_NAME), error=CacheFileError, hint=_HINT) as folder:
+            return load_cache(cls, folder, model, bases=bases, device=device, **runtime)
     hub = {"cache_dir": cache_dir, "local_files_only": local_files_only, "token": token}
     folder = locate(path_or_repo_id, revision=revision, subfolder=subfolder, force_download=force_download, **hub)
     meta = read_config(folder)
@@ -189,9 +200,7 @@ def locate(path_or_repo_id: str | os.PathLike, *, subfolder: str | None = None, 
     if folder.is_dir() or looks_local(str(path_or_repo_id)) or interrupted_save(folder) is not None:
         return folder
     return download_files(str(path_or_repo_id), (TENSORS_NAME, CONFIG_NAME), required=(TENSORS_NAME, CONFIG_NAME),
-                          error=CacheFileError, subfolder=subfolder, **hub,
-                          hint="Pass the folder a cache was saved to (cache.save_pretrained(dir)) or the Hub repo "
-                               "it was pushed to (cache.push_to_hub(repo_id))")
+                          error=CacheFileError, subfolder=subfolder, hint=_HINT, **hub)
 
 
 def push_cache(cache, repo_id: str, *, subfolder: str | None = None, commit_message: str | None = None, **upload):
@@ -280,13 +289,10 @@ def _load_bases(meta: dict, model, hub: dict) -> Bases:
     if not source:
         raise CacheFileError("the saved cache does not say where its bases came from; pass them: "
                              "VarRateCache.load(dir, model=model, bases=Bases.from_pretrained(...))")
-    revision = meta["bases"].get("revision")
-    if revision is not None and not isinstance(revision, str):
-        raise CacheFileError(f"bases.revision is {revision!r}, expected null or a Hub revision; save the cache again")
-    subfolder = meta["bases"].get("subfolder")
-    if subfolder is not None and not isinstance(subfolder, str):
-        raise CacheFileError(f"bases.subfolder is {subfolder!r}, expected null or a folder in the repo; save the "
-                             f"cache again")
+    revision, subfolder = meta["bases"].get("revision"), meta["bases"].get("subfolder")
+    for name, value in (("revision", revision), ("subfolder", subfolder)):
+        if value is not None and not isinstance(value, str):
+            raise CacheFileError(f"bases.{name} is {value!r}, expected null or a string; save the cache again")
     try:
         return Bases.from_pretrained(source, revision=revision, subfolder=subfolder, **hub)
     except (BasesError, OSError) as err:
