@@ -114,6 +114,33 @@ def test_a_model_offloaded_to_cpu_and_disk_generates_the_same_tokens(smollm2, of
     assert set(placed.values()) == {torch.device("cpu")}  # disk-offloaded layers run on the CPU
 
 
+@pytest.mark.usefixtures("one_intra_op_thread")
+@pytest.mark.parametrize("storage", ["materialized", "compact"])
+@pytest.mark.parametrize("name", ["tiny_llama", "tiny_gemma3"])
+def test_a_tiny_model_offloaded_to_disk_generates_the_same_tokens(request, tmp_path, name, storage):
+    """The fast tier of the SmolLM2 test: a layer's weights on "disk", Gemma-3's sliding layers included."""
+    model = request.getfixturevalue(name)
+    ids = torch.randint(2, model.config.vocab_size, (1, 300), generator=torch.Generator().manual_seed(0))
+    outputs, caches = [], []
+    for dispatched in (False, True):
+        if dispatched:
+            last = model.config.num_hidden_layers - 1
+            blocks = {f"model.layers.{i}": "disk" if i == last else "cpu" for i in range(last + 1)}
+            dispatch_model(model, {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", **blocks,
+                                   "model.norm": "cpu", "lm_head": "cpu"}, offload_dir=str(tmp_path))
+            assert model.model.layers[last].self_attn.k_proj.weight.device.type == "meta"
+        cache = VarRateCache(Bases.identity(model.config), model=model, budget=0.5, storage=storage)
+        with hf_varrate.bound(model):
+            outputs.append(generate(model, ids, cache))
+        caches.append(cache)
+    assert torch.equal(outputs[0], outputs[1])
+    for i, layer in enumerate(caches[1].layers):
+        if isinstance(layer, hf_varrate.VarRateLayer):
+            assert layer.codes and not layer.codes[0].stored_exactly, f"layer {i} coded nothing"
+            check_held(layer, layer_devices(model)[i])
+
+
+@pytest.mark.usefixtures("one_intra_op_thread")
 def test_keys_arriving_on_another_device_name_the_layer_and_the_fix(tiny_llama):
     cache = VarRateCache(Bases.identity(tiny_llama.config), model=tiny_llama, budget=0.5)
     with hf_varrate.bound(tiny_llama):
@@ -127,6 +154,7 @@ def test_keys_arriving_on_another_device_name_the_layer_and_the_fix(tiny_llama):
     assert cache.layers[1].device == torch.device("meta")
 
 
+@pytest.mark.usefixtures("one_intra_op_thread")
 @pytest.mark.parametrize("storage", ["materialized", "compact"])
 def test_a_held_tensor_on_another_device_is_found_at_the_next_step(tiny_llama, storage):
     cache = VarRateCache(Bases.identity(tiny_llama.config), model=tiny_llama, budget=0.5, storage=storage)
@@ -146,6 +174,7 @@ def test_a_held_tensor_on_another_device_is_found_at_the_next_step(tiny_llama, s
                 tiny_llama(ids[:, -1:], past_key_values=cache)
 
 
+@pytest.mark.usefixtures("one_intra_op_thread")
 @pytest.mark.parametrize("storage", ["materialized", "compact"])
 def test_a_loaded_cache_is_placed_as_the_model_runs_and_checked(tiny_llama, tmp_path, storage):
     cache = VarRateCache(Bases.identity(tiny_llama.config), model=tiny_llama, budget=0.5, storage=storage)
@@ -167,6 +196,7 @@ def test_a_loaded_cache_is_placed_as_the_model_runs_and_checked(tiny_llama, tmp_
         hf_varrate.unbind(tiny_llama)
 
 
+@pytest.mark.usefixtures("one_intra_op_thread")
 def test_layer_devices_reads_accelerates_execution_device(tiny_llama, tmp_path):
     assert layer_devices(tiny_llama) == {0: torch.device("cpu"), 1: torch.device("cpu")}
     dispatch_model(tiny_llama, {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu",
