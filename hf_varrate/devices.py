@@ -34,24 +34,30 @@ HELD_FIX = (
 )
 
 
-def held_tensors(obj, name: str = "", skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+def held_tensors(obj, name: str = "", skip: frozenset[str] = frozenset(),
+                 seen: set[int] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor in `obj`: a tensor, a list / tuple / dict of them, a dataclass, or an
-    object's attributes (except those named in `skip`), followed recursively."""
+    object's attributes (except those named in `skip`: what is shared, not the object's own), followed
+    recursively, each object once."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
     if torch.is_tensor(obj):
         yield name, obj
     elif isinstance(obj, (list, tuple)):
         for i, item in enumerate(obj):
-            yield from held_tensors(item, f"{name}[{i}]")
+            yield from held_tensors(item, f"{name}[{i}]", seen=seen)
     elif isinstance(obj, dict):
         for key, item in obj.items():
-            yield from held_tensors(item, f"{name}[{key!r}]")
+            yield from held_tensors(item, f"{name}[{key!r}]", seen=seen)
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
-            yield from held_tensors(getattr(obj, f.name), f"{name}.{f.name}".lstrip("."))
+            yield from held_tensors(getattr(obj, f.name), f"{name}.{f.name}".lstrip("."), seen=seen)
     elif hasattr(obj, "__dict__") and not isinstance(obj, (type, torch.nn.Module)):
         for key, item in vars(obj).items():
             if key not in skip:
-                yield from held_tensors(item, f"{name}.{key}".lstrip("."))
+                yield from held_tensors(item, f"{name}.{key}".lstrip("."), seen=seen)
 
 
 def check_held(layer, device=None) -> None:

@@ -245,3 +245,12 @@ def test_accelerate_is_a_test_dependency_the_package_never_imports():
                  for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, (ast.Import, ast.ImportFrom))
                  and any((getattr(node, "module", None) or alias.name).startswith("accelerate") for alias in node.names)]
     assert not importing, f"the package imports accelerate in {importing}: make it a dependency again"
+
+
+def test_the_walk_names_every_tensor_once_and_stops_at_cycles():
+    shared = torch.zeros(2)
+    box = type("Box", (), {})()
+    box.rows = [shared, {"k": shared.clone()}]
+    box.me = box  # a cycle
+    box.bases = torch.ones(1)  # skipped: shared by the whole cache
+    assert [name for name, _ in held_tensors(box, skip=frozenset({"bases"}))] == ["rows[0]", "rows[1]['k']"]
