@@ -281,7 +281,8 @@ def read_tensors(folder: Path, meta: dict) -> dict[str, torch.Tensor]:
 def _load_bases(meta: dict, model, hub: dict) -> Bases:
     source = meta["bases"].get("source")
     if source == "identity":
-        dtype = FLOAT_DTYPES.get(meta["bases"].get("dtype") or "float32")
+        name = meta["bases"].get("dtype") or "float32"
+        dtype = FLOAT_DTYPES.get(name) if isinstance(name, str) else None
         if dtype is None:
             raise CacheFileError(f"bases.dtype is {meta['bases'].get('dtype')!r}, expected one of "
                                  f"{sorted(FLOAT_DTYPES)}; save the cache again")
