@@ -107,9 +107,16 @@ class Bases:
         the defaults a cache coding with them should use."""
         return {k: self.metadata[k] for k in ("stride", "window", "n_anchors") if k in self.metadata}
 
+    def tuned_settings(self, preset: str) -> dict:
+        """Settings chosen for this model on a development split and confirmed on a held-out one, that `preset`
+        takes with these bases (the artifact's `presets` field, e.g. {"recommended": {"key_weight": 4.0}})."""
+        tuned = self.metadata.get("presets", {})
+        return dict(tuned.get(preset, {})) if isinstance(tuned, dict) else {}
+
     def config(self, preset: str = "recommended", *, stacklevel: int = 2, **overrides) -> VarRateConfig:
         """The config a cache coding with these bases uses: `preset`'s defaults ('recommended' or 'paper'),
-        the calibration settings (stride, window, n_anchors), then `overrides`. The one way every
+        the calibration settings (stride, window, n_anchors), the settings tuned for this model
+        (`tuned_settings`), then `overrides`. The one way every
         caller (the cache, the kvpress press, the evaluation harness) builds a config. Two rules, each
         announced with a VarRateWarning:
 
@@ -127,7 +134,7 @@ class Bases:
                 f"({ {k: calibrated[k] for k in changed} }); the residuals then follow other statistics than the "
                 f"basis was fitted to. Recalibrate with the same settings (hf-varrate calibrate --stride ...) to "
                 f"match them", CalibrationOverrideWarning, stacklevel=stacklevel)
-        config = VarRateConfig.preset(preset, **{**calibrated, **overrides})
+        config = VarRateConfig.preset(preset, **{**calibrated, **self.tuned_settings(preset), **overrides})
         if config.balance != "none" and "balance" not in overrides and not self.spectra:
             warnings.warn(
                 f"preset {preset!r} balances keys and values (balance={config.balance!r}), which needs bases that "

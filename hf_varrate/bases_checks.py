@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 
 from .architecture import ModelShape, describe
+from .config import VarRateConfig
+from .config_checks import PRESETS
 from .errors import BasesError
 from .rotary import RotaryFrequencies
 
@@ -61,7 +63,24 @@ def check_metadata(meta) -> dict:
                          f"rebuild with: {build_hint(meta)}")
     check_layout(meta)
     check_calibration_fields(meta)
+    check_tuned(meta)
     return meta
+
+
+def check_tuned(meta: dict) -> None:
+    """The optional `presets` field: per preset name, settings that preset takes with these bases (chosen for the
+    model), each a valid VarRateConfig field and value."""
+    tuned = meta.get("presets", {})
+    if not isinstance(tuned, dict) or not set(tuned) <= set(PRESETS) or not all(isinstance(v, dict) for v in
+                                                                                  tuned.values()):
+        raise BasesError(f"{CONFIG_NAME} field presets must map preset names ({list(PRESETS)}) to settings, got "
+                         f"{tuned!r:.200}; fix or remove the field")
+    for name, settings in tuned.items():
+        try:
+            VarRateConfig.preset(name, **settings)
+        except (TypeError, ValueError) as err:
+            raise BasesError(f"{CONFIG_NAME} field presets.{name} is not a valid setting: {err}; fix or remove the "
+                             f"field") from err
 
 
 def check_calibration_fields(meta: dict) -> None:

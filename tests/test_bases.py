@@ -183,6 +183,26 @@ def test_bad_calibration_settings_in_config_json_are_named_as_coming_from_the_fi
         Bases.from_pretrained(tmp_path)
 
 
+def test_settings_tuned_for_the_model_are_what_its_preset_takes(tmp_path):
+    write_artifact(tmp_path, good_tensors(), {**META, "presets": {"recommended": {"key_weight": 4.0}}})
+    bases = Bases.from_pretrained(tmp_path)
+    assert bases.config("recommended", balance="none").key_weight == 4.0
+    assert bases.config("paper").key_weight == 1.0  # only the preset it was tuned for
+    assert bases.config("recommended", balance="none", key_weight=2.0).key_weight == 2.0  # the caller's word wins
+
+
+@pytest.mark.parametrize("presets, message", [
+    ([1], "presets must map preset names"),
+    ({"fast": {}}, "presets must map preset names"),
+    ({"recommended": {"key_weight": -1.0}}, r"presets\.recommended is not a valid setting: key_weight"),
+    ({"recommended": {"no_such_field": 1}}, r"presets\.recommended is not a valid setting: .*no_such_field"),
+])
+def test_bad_tuned_settings_are_named(tmp_path, presets, message):
+    write_artifact(tmp_path, good_tensors(), {**META, "presets": presets})
+    with pytest.raises(BasesError, match=message):
+        Bases.from_pretrained(tmp_path)
+
+
 # bad config.json ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "change, message",
