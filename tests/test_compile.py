@@ -87,6 +87,18 @@ def test_a_compiled_dequantization_runs_the_c_loop_bit_for_bit(dtype, fresh_dyna
                        want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
 
 
+@pytest.mark.slow
+def test_inductor_compiles_the_positions_of_the_coded_tokens(fresh_dynamo):
+    """Under inductor (CPU C++), k + k // (stride - 1) + 1 over an arange compiled to a loop that skipped the
+    last C mod (stride - 1) positions, which the read then passed to its loops as garbage. ~30 s."""
+    from hf_varrate.codec.anchors import coded_positions, exact_mask
+
+    compiled = torch.compile(coded_positions, backend="inductor", fullgraph=True)
+    for seq_len, stride, window in [(1023, 128, 64), (300, 8, 16), (50, 1, 4)]:
+        want = (~exact_mask(seq_len, stride, window)).nonzero()[:, 0]
+        assert torch.equal(compiled(seq_len, stride, window), want)
+
+
 def _op_samples():
     gen = torch.Generator().manual_seed(2)
     coefs = quantize(torch.randn(60, generator=gen), torch.full((6,), 10), 4, 8)

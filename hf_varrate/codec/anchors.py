@@ -26,12 +26,11 @@ def exact_positions(seq_len: int, stride: int, window: int, device=None) -> torc
 
 def coded_positions(seq_len: int, stride: int, window: int, device=None) -> torch.Tensor:
     """[C] long: the positions `exact_mask` leaves out, in increasing order: before the window, every token
-    but the multiples of `stride` (k-th of them: k + k // (stride - 1) + 1), in closed form."""
+    but the multiples of `stride`, in closed form (each stride's positions after its anchor, the first C)."""
     start = max(seq_len - window, 0)
-    if stride == 1:
-        return torch.zeros(0, dtype=torch.long, device=device)
-    k = torch.arange(start - -(-start // stride), device=device)
-    return k + k // (stride - 1) + 1
+    blocks = -(-start // stride)  # the anchors before the window
+    grid = torch.arange(blocks * stride, device=device).view(blocks, stride)[:, 1:]  # (k // (stride - 1) mis-compiles
+    return grid.reshape(-1)[: start - blocks]  # under inductor on CPU where C is not a multiple of stride - 1)
 
 
 def anchor_positions(seq_len: int, stride: int, device=None) -> torch.Tensor:
