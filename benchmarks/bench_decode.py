@@ -7,8 +7,12 @@ are interleaved within every repeat, so they see the same machine load; medians 
     python benchmarks/bench_decode.py                      # SmolLM2 fp32, 4K prompt, 16 new tokens
 
 A configuration is `full` or `<storage>[-<bits>bit][+codes][+torch]`: `+codes` decodes under the
-"varrate" attention implementation (compact layers attend over their codes); every other one under
-sdpa. `+torch` switches off the C loops of `hf_varrate.codec.native` (PyTorch only), to compare.
+"varrate" attention implementation; every other one under the model's sdpa, where a compact layer is
+read over its codes too (its updates hand sdpa `CodedRead` stand-ins: `hf_varrate.attention`).
+`+torch` switches off the C loops of `hf_varrate.codec.native` (PyTorch only), to compare.
+`--threads 0` keeps torch's default thread count (what a user gets).
+
+    python benchmarks/bench_decode.py --preset recommended --configs full,compact --threads 0 --repeats 5
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--new", type=int, default=16, help="tokens decoded per repeat")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--budget", type=float, default=0.2)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1, help="0: torch's default")
     parser.add_argument("--device", default="cpu", help="where the model and the caches live: cpu or cuda[:index]")
     parser.add_argument("--configs", default="full,materialized,compact")
     parser.add_argument("--preset", choices=PRESETS, default="paper",
@@ -105,7 +109,8 @@ def markdown(result: dict, args, configs: list[str]) -> str:
             f"budget {args.budget}, {device}\n\n"
             + common.table(["cache", "tok/s (median)", "vs full", "vs materialized", "spread (max-min)/median",
                             "K/V held MiB", "held vs full"], rows)
-            + f"\n\n`+codes`: under the \"varrate\" attention implementation (compact layers attend over their codes). "
+            + f"\n\n`+codes`: under the \"varrate\" attention implementation; the others under sdpa (compact layers "
+            f"are read over their codes under both). "
             f"Same greedy tokens as materialized: {result['same_tokens_as_materialized']}.\n"
             f"{args.repeats} repeats x {args.new} tokens, configurations interleaved; load average "
             f"{env['load_average']}; bases: {result['bases']}.\n")
@@ -117,7 +122,6 @@ def main(argv=None):
     doc = common.captured_document(args.model, args.dtype, args.length, args.threads)
     model, configs = doc.model, args.configs.split(",")
     caches = build_caches(model, doc.bases, doc.captured, args.budget, configs, args.preset)
-    hf_varrate.bind(model)  # "+codes" needs the hook that tells compact layers the attention reads codes
     first = doc.ids[:, -1:]
     decode(model, copy.deepcopy(caches["full"]), first, 2)  # warm-up
     steps, rates, tokens = interleaved_decodes(model, caches, first, args)

@@ -9,6 +9,14 @@ to the bytes of the cache's own tensors (`footprint().held_bytes`).
 
 A configuration is `full` or `<storage>[-<bits>bit][+codes]`; `+codes` decodes under the "varrate"
 attention implementation (compact layers attend over their codes instead of rebuilding their K/V).
+
+    python benchmarks/bench_memory.py --peak --lengths 2048,4096,8192 --out memory_peak
+
+`--peak` measures what a user's one-liner costs instead: `model.generate(ids, max_new_tokens=...)` with
+transformers' own DynamicCache (`dynamic`) against `past_key_values=VarRateCache.from_pretrained(name)`
+(`default`: no other argument, so no `model=`), each in a fresh subprocess per length, reading the
+process's peak resident memory (`VmHWM` in /proc/self/status) reset after the model is loaded and warmed
+up (`clear_refs`), next to every byte the cache's tensors hold after decoding.
 """
 
 from __future__ import annotations
@@ -116,6 +124,75 @@ def child(config: str, args) -> dict:
             "ru_maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
 
 
+def vm_kib(field: str) -> int:
+    """A `Vm...` line of /proc/self/status, in KiB."""
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def peak_child(config: str, args) -> dict:
+    """One `generate` as a user writes it (`dynamic`: transformers' default cache; `default`: the one-liner
+    `past_key_values=VarRateCache.from_pretrained(name)`); the process's peak RSS over it."""
+    import torch
+
+    from hf_varrate import VarRateCache
+
+    common.set_threads(args.threads)
+    model, tokenizer = common.load(args.model, args.dtype)
+    ids = common.document_ids(tokenizer, args.length)
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        model.generate(ids[:, :64], attention_mask=mask[:, :64], max_new_tokens=2, do_sample=False)  # warm-up
+    settle()
+    with open("/proc/self/clear_refs", "w") as f:  # VmHWM restarts from the RSS now (the model loaded)
+        f.write("5")
+    before = vm_kib("VmRSS")
+    kwargs = {} if config == "dynamic" else {"past_key_values": VarRateCache.from_pretrained(args.model)}
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=args.new, do_sample=False,
+                             return_dict_in_generate=True, **kwargs)
+    peak = vm_kib("VmHWM")
+    cache = out.past_key_values
+    if isinstance(cache, VarRateCache):
+        fp = cache.footprint()
+        held, full, bases = fp.held_bytes, fp.full_bytes, fp.bases_bytes
+    else:
+        held = full = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+        bases = 0
+    return {"config": config, "length": args.length, "rss_before_kib": before, "vmhwm_kib": peak,
+            "peak_above_model_mib": (peak - before) / 1024, "held_bytes": held, "full_bytes": full,
+            "bases_bytes": bases, "tokens": out.sequences[0, ids.shape[1]:].tolist()}
+
+
+def peak_main(args) -> None:
+    env, results = common.environment(), []
+    passthrough = [f"--{k}={getattr(args, k)}" for k in ("model", "dtype", "new", "threads")]
+    for length in [int(n) for n in args.lengths.split(",")]:
+        for config in ("dynamic", "default"):
+            common.log(f"peak memory: {config} at {length}")
+            out = subprocess.run([sys.executable, __file__, "--peak-child", config, f"--length={length}",
+                                  *passthrough], capture_output=True, text=True, check=True)
+            results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    rows = []
+    for dyn, var in zip(results[::2], results[1::2]):
+        rows.append([dyn["length"], dyn["vmhwm_kib"] / 1024, var["vmhwm_kib"] / 1024, dyn["peak_above_model_mib"],
+                     var["peak_above_model_mib"], f"{var['held_bytes'] / dyn['held_bytes']:.3f}",
+                     f"{(var['held_bytes'] + var['bases_bytes']) / dyn['held_bytes']:.3f}",
+                     var["bases_bytes"] / MiB, dyn["tokens"] == var["tokens"]])
+    md = (f"## Peak process memory of generate, {args.model} {args.dtype}, {args.new} new tokens\n\n"
+          + common.table(["tokens", "VmHWM DynamicCache MiB", "VmHWM default VarRateCache MiB",
+                          "peak above model, DynamicCache MiB", "peak above model, VarRateCache MiB",
+                          "cache tensors vs DynamicCache", "with the bases' copies", "bases + copies MiB",
+                          "same tokens"], rows)
+          + "\n\nFresh process per cell; VmHWM reset after loading and warming up the model (clear_refs), so both "
+          f"columns include the model. Load average at start {tuple(round(x, 1) for x in env['load_average'])}.\n"
+          f"Command: python benchmarks/bench_memory.py --peak --lengths {args.lengths} --new {args.new} "
+          f"--out {args.out}\n")
+    common.write_results(args.out, {"env": env, "args": vars(args), "results": results}, md)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -126,10 +203,19 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--configs", default="full,materialized,compact,compact+codes,compact-4bit,compact-4bit+codes")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--peak", action="store_true", help="peak RSS (VmHWM) of generate: DynamicCache vs default")
+    parser.add_argument("--lengths", default="2048,4096,8192", help="with --peak")
+    parser.add_argument("--peak-child", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="memory")
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(child(args.child, args)))
+        return
+    if args.peak_child:
+        print(json.dumps(peak_child(args.peak_child, args)))
+        return
+    if args.peak:
+        peak_main(args)
         return
     env = common.environment()
     rows, results = [], []

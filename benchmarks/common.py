@@ -31,7 +31,9 @@ DEVICE = torch.device("cpu")  # where the models run (`use_device`, from each sc
 
 
 def set_threads(threads: int) -> None:
-    torch.set_num_threads(threads)
+    """`threads` intra-op threads; 0 keeps torch's default (what a user gets)."""
+    if threads:
+        torch.set_num_threads(threads)
 
 
 def use_device(name: str) -> torch.device:

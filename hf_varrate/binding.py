@@ -11,19 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import warnings
-import weakref
 
 import torch
 from transformers.cache_utils import Cache
 
 from .architecture import ModelShape, check_fits
-from .attention import ATTENTION
 from .codec import attention_scale
-from .errors import VarRateWarning
 from .layers import PrefillContext, VarRateLayer
-
-_WARNED_REBUILDS: weakref.WeakSet = weakref.WeakSet()  # caches told once that the codes could be read directly
 
 
 def attention_modules(model) -> list[torch.nn.Module]:
@@ -98,11 +92,6 @@ def prefill_hook(module, args, kwargs):
             f"nothing to compress or attend to; pass at least one token (e.g. the tokenizer's BOS token)"
         )
     layer = cache.layers[module.layer_idx]
-    if isinstance(layer, VarRateLayer):  # compact reads go through the codes only if the attention reads them
-        attention = getattr(getattr(module, "config", None), "_attn_implementation", None)
-        layer.coded_reads = attention == ATTENTION
-        if not layer.coded_reads:
-            _say_the_codes_could_be_read(cache, layer, attention)
     if not isinstance(layer, VarRateLayer) or hidden.shape[1] <= 1 or not (
             layer.awaits_prefill or layer.takes_turns(hidden.shape[0])):  # neither a prompt nor a later turn
         return None
@@ -113,18 +102,6 @@ def prefill_hook(module, args, kwargs):
     valid = key_padding(kwargs.get("attention_mask"), hidden.shape[0], hidden.shape[1])
     layer.prefill_context = PrefillContext(queries, cos, sin, attention_scale(module), valid)
     return None
-
-
-def _say_the_codes_could_be_read(cache, layer, attention) -> None:
-    """Once per cache: a compact layer whose codes the "varrate" attention would read is rebuilt instead."""
-    if cache in _WARNED_REBUILDS or not layer.compact or not layer.attends_codes(None):
-        return
-    _WARNED_REBUILDS.add(cache)
-    warnings.warn(
-        f"storage='compact' under attn_implementation={attention!r} rebuilds every layer's K/V from its codes at "
-        f"each step; model.set_attn_implementation('varrate') (registered by hf_varrate; sdpa for everything "
-        f"else) attends over the codes instead: the same attention up to float rounding, about 2x faster "
-        f"decoding at 4K tokens (README, 'Speed and memory')", VarRateWarning, stacklevel=3)
 
 
 def window_queries(module, hidden, cos, sin, window: int) -> torch.Tensor:

@@ -91,11 +91,9 @@ class VarRateCache(Cache):
         shape, kinds = _layout(bases, model_config)
         rope = _rope(bases, model, rope)
         if config.storage == "compact" and rope is None:
-            raise ValueError(
-                "storage='compact' re-rotates keys at every read and needs the model's rotary frequencies, which "
-                "these bases do not record: pass model=model (VarRateCache.from_pretrained(path, model=model, "
-                "storage='compact')), or use bases saved by this version"
-            )
+            warnings.warn("storage='compact' needs the model's rotary frequencies, not recorded in these bases: pass "
+                          "model=model; this cache holds 'materialized' (more bytes)", VarRateWarning, stacklevel=2)
+            config = config.replace(storage="materialized")
         cap = min(config.rank or bases.rank, bases.rank, shape.width)
         if config.r_min > cap:
             raise ValueError(f"r_min must be <= the rank cap R = min(rank, basis rank, D) = {cap}, got r_min="
@@ -157,6 +155,7 @@ class VarRateCache(Cache):
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         if layer_idx == self._last_varrate:
             self.rope_memo.clear()  # the forward's RoPE tables are not kept between forwards
+            self._last_tables = None
         return out
 
     def _unbound_context(self, layer, keys, args, kwargs) -> PrefillContext | None:
@@ -174,9 +173,16 @@ class VarRateCache(Cache):
             positions = passed.get("position_ids")
             if positions is None:  # a forward without position ids numbers the new tokens after the cached ones
                 positions = torch.arange(keys.shape[-2], device=keys.device) + layer.get_seq_length()
-            cos, sin = self.rope.tables_at(positions.to(keys.device), keys.dtype)
+            cos, sin = self._tables_at(positions.to(keys.device), keys.dtype)
         queries = keys.new_zeros(keys.shape[0], keys.shape[1], 0, keys.shape[-1])  # query-free: none needed
         return PrefillContext(queries, cos, sin, keys.shape[-1] ** -0.5, None)
+
+    def _tables_at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE tables at `positions`, one pair for the layers of a forward (each holds them until coding)."""
+        last = getattr(self, "_last_tables", None)
+        if last is None or last[0] is not positions or last[1] != dtype:
+            last = self._last_tables = (positions, dtype, *self.rope.tables_at(positions, dtype))
+        return last[2], last[3]
 
     def compress(self) -> VarRateCache:
         """Code the prompt every layer holds now, instead of at the first decoding step: what a document

@@ -2,11 +2,15 @@
 
 Per layer and device: the fp32 basis (the stored ones may be fp16), the basis of the space a config codes
 in (balance='rms' and key_weight scale the value half: `codec.balance`) with its singular values for
-per-layer budgets, and the split copy attention over the codes reads (`codec.attend.split_basis`). Owned by
-a `Bases` (`bases.spaces`), so one copy serves every cache built on those bases, and `nbytes` counts them.
+per-layer budgets, and the split copy attention over the codes reads (`codec.attend.split_basis`). Reached
+through a `Bases` (`bases.spaces`) and shared by every `Bases` of the same content (two caches loading the same
+folder make one set of copies per device, held while any of them lives), and `nbytes` counts them.
 """
 
 from __future__ import annotations
+
+import hashlib
+import weakref
 
 import torch
 
@@ -17,16 +21,69 @@ from .codec.layer_budget import energy_shares
 from .errors import BasesError
 
 
+class DerivedCopies:
+    """The derived tensors themselves, shared by the `CodingSpaces` of equal bases (`shared_copies`)."""
+
+    def __init__(self):
+        self.resident: dict[tuple[int, str], torch.Tensor] = {}  # fp32 bases, per device
+        self.balanced: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # scaled spaces
+        self.balanced_spectra: dict[tuple, torch.Tensor] = {}  # (layer, balance, key_weight) -> singular values
+        self.energies: dict[tuple, tuple[torch.Tensor, dict[int, int]]] = {}  # (balance, key_weight) -> shares
+        self.split: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # attention's copies
+
+
+# content digest -> the copies of bases with that content, while some Bases holds them (weak: no leak)
+_SHARED: weakref.WeakValueDictionary[str, DerivedCopies] = weakref.WeakValueDictionary()
+
+
+def shared_copies(bases) -> DerivedCopies:
+    """The copies for bases of this content (their stored tensors and spectra, hashed): made once, shared."""
+    digest = hashlib.sha256()
+    for name, group in (("basis", bases.tensors), ("spectrum", bases.spectra)):
+        for i in sorted(group):
+            t = group[i].detach().cpu().contiguous()
+            digest.update(f"{name}{i}{t.dtype}{tuple(t.shape)}".encode())
+            digest.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    key = digest.hexdigest()
+    copies = _SHARED.get(key)
+    if copies is None:
+        copies = _SHARED[key] = DerivedCopies()
+    return copies
+
+
 class CodingSpaces:
-    """The derived tensors of one `Bases` (read through it: its tensors and spectra never change)."""
+    """The derived tensors of one `Bases` (read through it: its tensors and spectra never change), kept in
+    `DerivedCopies` shared with every other `Bases` of the same content (found on first use)."""
 
     def __init__(self, bases):
         self.bases = bases
-        self._resident: dict[tuple[int, str], torch.Tensor] = {}  # fp32 bases, per device
-        self._balanced: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # scaled spaces
-        self._balanced_spectra: dict[tuple, torch.Tensor] = {}  # (layer, balance, key_weight) -> singular values
-        self._energies: dict[tuple, tuple[torch.Tensor, dict[int, int]]] = {}  # (balance, key_weight) -> shares
-        self._split: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # attention's copies
+        self._copies: DerivedCopies | None = None
+
+    @property
+    def copies(self) -> DerivedCopies:
+        if self._copies is None:
+            self._copies = shared_copies(self.bases)
+        return self._copies
+
+    @property
+    def _resident(self):
+        return self.copies.resident
+
+    @property
+    def _balanced(self):
+        return self.copies.balanced
+
+    @property
+    def _balanced_spectra(self):
+        return self.copies.balanced_spectra
+
+    @property
+    def _energies(self):
+        return self.copies.energies
+
+    @property
+    def _split(self):
+        return self.copies.split
 
     def basis(self, layer_idx: int, device=None) -> torch.Tensor:
         """fp32 [R, D] on `device`, uploaded once per device and then kept resident."""

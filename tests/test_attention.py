@@ -1,6 +1,8 @@
-"""The "varrate" attention implementation: attention over a compact layer's codes equals attention over
-its reconstruction, and everything else is sdpa."""
+"""Attention over a compact layer's codes (under sdpa, through the `CodedRead` stand-ins its updates return,
+and under the "varrate" attention implementation) equals attention over its reconstruction, and every
+other cache, and every other use of a stand-in, gets plain tensors."""
 
+import contextlib
 import copy
 import warnings
 
@@ -51,6 +53,14 @@ def reads_codes(monkeypatch):
     monkeypatch.setattr(CompactLayer, "read", refuse)
 
 
+@contextlib.contextmanager
+def rebuilds():
+    """Within the block compact layers rebuild their K/V at every read (the reference the codes' read must meet)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(CompactLayer, "attends_codes", lambda self, mask: False)
+        yield
+
+
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3", "tiny_gemma3"])
 @pytest.mark.parametrize("overrides", OVERRIDES)
 def test_attention_over_codes_equals_attention_over_the_reconstruction(fixture, overrides, request, attention,
@@ -62,7 +72,9 @@ def test_attention_over_codes_equals_attention_over_the_reconstruction(fixture, 
         model(ids[:, :-6], past_key_values=cache)
         coded = copy.deepcopy(cache)
         attention(model, "sdpa")
-        rebuilt = [model(ids[:, -6:-1], past_key_values=cache).logits, model(ids[:, -1:], past_key_values=cache).logits]
+        with rebuilds():
+            rebuilt = [model(ids[:, -6:-1], past_key_values=cache).logits,
+                       model(ids[:, -1:], past_key_values=cache).logits]
         attention(model, hf_varrate.ATTENTION)
         reads_codes(monkeypatch)
         # five tokens at once (causal mask within them), then one (no mask)
@@ -143,44 +155,66 @@ def test_a_padded_batch_falls_back_to_the_reconstruction(tiny_llama, attention):
     assert torch.equal(greedy(tiny_llama, ids, compact(tiny_llama), attention_mask=mask), want)
 
 
-def test_an_unbound_model_never_gets_a_coded_read(tiny_llama, attention):
-    """The hook arms one read per forward; without it (unbound, another attention) layers return tensors."""
+def test_a_stand_in_is_the_rebuilt_kv_to_every_other_operation(tiny_llama):
+    """Unbound, under any attention, a compact layer's update hands back two CodedReads: tensors of the K/V's
+    shape whose every operation but sdpa sees the rebuilt K/V (built once per pair)."""
     ids = prompt(tiny_llama, 300)
     cache = compact(tiny_llama)
-    attention(tiny_llama, hf_varrate.ATTENTION)
     with torch.no_grad():
-        tiny_llama(ids, past_key_values=cache)  # the prefill: armed, but no read to hand over
+        tiny_llama(ids, past_key_values=cache)
+    cache.compress()
     hf_varrate.unbind(tiny_llama)
     layer = next(layer for layer in cache.layers if isinstance(layer, VarRateLayer))
-    keys, values = layer.update(torch.zeros(1, *layer.keys.shape[1:2], 1, layer.keys.shape[-1]),
-                                torch.zeros(1, *layer.values.shape[1:2], 1, layer.values.shape[-1]))
-    assert torch.is_tensor(keys) and not isinstance(keys, CodedRead)
-    assert keys.shape[-2] == layer.get_seq_length()
+    step = torch.randn(1, layer.keys.shape[1], 1, layer.keys.shape[-1])
+    keys, values = layer.update(step, step * 2)
+    assert isinstance(keys, CodedRead) and isinstance(values, CodedRead)
+    assert keys.shape == values.shape == (1, layer.keys.shape[1], ids.shape[1] + 1, layer.keys.shape[-1])
+    assert keys.dtype == step.dtype and keys.device == step.device
+    want_k, want_v = layer.read()
+    got = keys * 1
+    assert type(got) is torch.Tensor and torch.equal(got, want_k) and torch.equal(values[:, :, -1:], step * 2)
+    assert torch.equal(torch.cat([keys, values]), torch.cat([want_k, want_v]))
+    assert "CodedRead" in repr(keys)
 
 
-def test_compact_storage_under_sdpa_says_once_how_to_read_the_codes(tiny_llama, attention):
-    """A compact cache decoded under sdpa rebuilds its K/V at every step: one VarRateWarning per cache names
-    the fix; under the "varrate" attention, in materialized storage and for a batch of two sequences (which
-    falls back to the rebuild anyway) there is nothing to say."""
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_compact_storage_reads_its_codes_under_sdpa_and_rebuilds_under_eager(tiny_llama, implementation, attention,
+                                                                           monkeypatch):
+    """Nothing to arrange: the model's own sdpa reads the codes (a rebuild would fail the test), eager attention
+    rebuilds; either way the tokens of materialized storage, and nothing to warn about."""
     ids = prompt(tiny_llama, 300)
+    attention(tiny_llama, implementation)
+    want = greedy(tiny_llama, ids, compact(tiny_llama, storage="materialized"), new=8)
+    if implementation == "sdpa":
+        reads_codes(monkeypatch)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert torch.equal(greedy(tiny_llama, ids, compact(tiny_llama), new=8), want)
+    assert not [w for w in caught if issubclass(w.category, VarRateWarning)]
 
-    def decode_twice(cache, batch=ids):
-        with torch.no_grad():
-            tiny_llama(batch[:, :-2], past_key_values=cache)
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                for i in (-2, -1):
-                    tiny_llama(batch[:, i:][:, :1], past_key_values=cache)
-        return [w for w in caught if issubclass(w.category, VarRateWarning)]
 
+def test_importing_hf_varrate_leaves_sdpa_and_other_caches_alone(tiny_llama, attention):
+    """transformers' sdpa and torch's kernel are the originals (nothing wrapped), and a DynamicCache's update
+    hands sdpa plain tensors."""
+    import torch.nn.functional as F
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
+    assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention
+    seen = []
     attention(tiny_llama, "sdpa")
-    said = decode_twice(compact(tiny_llama))
-    assert len(said) == 1 and "set_attn_implementation('varrate')" in str(said[0].message)
-    assert "attn_implementation='sdpa'" in str(said[0].message)
-    assert decode_twice(compact(tiny_llama, storage="materialized")) == []
-    assert decode_twice(compact(tiny_llama), batch=ids.repeat(2, 1)) == []
-    attention(tiny_llama, hf_varrate.ATTENTION)
-    assert decode_twice(compact(tiny_llama)) == []
+    cache = DynamicCache(config=tiny_llama.config)
+    original = cache.update
+
+    def update(*args, **kwargs):
+        out = original(*args, **kwargs)
+        seen.extend(type(t) for t in out)
+        return out
+
+    cache.update = update
+    greedy(tiny_llama, prompt(tiny_llama, 100), cache, new=3)
+    assert seen and set(seen) == {torch.Tensor}
 
 
 @pytest.mark.parametrize("fixture", ["smollm2", "gemma3"])

@@ -151,9 +151,11 @@ def test_switching_storage_in_place_keeps_the_tokens(tiny_llama):
         cache.set_storage("zipped")
 
 
-def test_compact_needs_the_rotary_frequencies(tiny_llama):
-    with pytest.raises(ValueError, match="model=model"):
-        VarRateCache(Bases.identity(tiny_llama.config), model_config=tiny_llama.config, storage="compact")
+def test_compact_without_the_rotary_frequencies_holds_materialized_and_says_so(tiny_llama):
+    with pytest.warns(VarRateWarning, match="model=model"):
+        cache = VarRateCache(Bases.identity(tiny_llama.config), model_config=tiny_llama.config, storage="compact")
+    assert cache.config.storage == "materialized"
+    assert all(layer.storage == "materialized" for layer in cache.layers if isinstance(layer, VarRateLayer))
 
 
 def test_compact_falls_back_to_materialized_when_positions_are_not_0_to_n(tiny_llama):
@@ -194,3 +196,46 @@ def test_real_smollm2_compact_equals_materialized(smollm2):
             if storage == "compact":
                 assert fp.held_bytes == fp.bytes <= 0.305 * fp.full_bytes
     assert torch.equal(outs["materialized"], outs["compact"])
+
+
+def test_the_default_one_liner_holds_the_budget_and_reads_the_codes(smollm2, monkeypatch):
+    """`generate(past_key_values=VarRateCache.from_pretrained(name))`, nothing else (no model=, sdpa): every
+    tensor the cache holds after decoding is at most budget + 0.05 of the DynamicCache's K/V, the decode reads
+    the codes (a rebuild fails the test), the tokens are materialized storage's, and a DynamicCache on the
+    same model gives the same tokens before and after."""
+    model, _ = smollm2
+    hf_varrate.unbind(model)
+    ids = torch.randint(100, 20000, (1, 1500), generator=torch.Generator().manual_seed(1))
+
+    def generate(cache=None):
+        kwargs = {} if cache is None else {"past_key_values": cache}
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=2,
+                                 attention_mask=torch.ones_like(ids), return_dict_in_generate=True, **kwargs)
+        return out.sequences, out.past_key_values
+
+    plain, dynamic = generate()
+    full = sum(layer.keys.nbytes + layer.values.nbytes for layer in dynamic.layers)
+    materialized, _ = generate(VarRateCache.from_pretrained("smollm2-135m-instruct", storage="materialized"))
+    cache = VarRateCache.from_pretrained("smollm2-135m-instruct")
+    assert cache.config.storage == "compact" and cache.config.budget == 0.2
+    with monkeypatch.context() as patch:
+        patch.setattr(CompactLayer, "read", lambda self: pytest.fail("a compact layer was rebuilt, not read"))
+        tokens, _ = generate(cache)
+    assert torch.equal(tokens, materialized)
+    held = sum(held_tensor_bytes(layer) for layer in cache.layers)
+    assert held == cache.footprint().held_bytes <= (cache.config.budget + 0.05) * full
+    assert torch.equal(generate()[0], plain)
+
+
+def test_bases_of_the_same_content_share_their_derived_copies(tiny_llama):
+    """Two loads of the same bases (two caches from one folder) derive one set of copies per device, counted
+    in both; bases of other content get their own."""
+    first, second = Bases.identity(tiny_llama.config), Bases.identity(tiny_llama.config)
+    before = second.nbytes()
+    split = first.attention_basis(0, "none", "cpu", 2, 16)
+    assert second.attention_basis(0, "none", "cpu", 2, 16) is split
+    assert second.nbytes() >= before + sum(t.nbytes for t in split)  # counted by every bases sharing it
+    other = Bases.identity(tiny_llama.config)
+    other.tensors[0] = other.tensors[0].flip(0)
+    assert other.attention_basis(0, "none", "cpu", 2, 16) is not split

@@ -80,9 +80,8 @@ class CompactLayer(VarRateLayer):
             return super()._append(key_states, value_states, coded_read)
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
-        if coded_read:
-            read = CodedRead(self)
-            return read, read
+        if self.attends_codes(None) and not torch.compiler.is_compiling():
+            return CodedRead.pair(self)  # sdpa reads it over the codes; any other use rebuilds it (`read`)
         return self.read()
 
     def get_seq_length(self) -> int:
@@ -146,7 +145,7 @@ class CompactLayer(VarRateLayer):
 
     def attend(self, query: torch.Tensor, mask, scaling: float, softcap: float | None = None) -> torch.Tensor:
         """Attention of query [1, Hq, Q, d] over this layer, read from the codes (`codec.attend_codes`):
-        [1, Q, Hq, d] in the query's dtype, as transformers' attention functions return it."""
+        [1, Hq, Q, d] in the query's dtype, as sdpa returns it."""
         code = self.codes[0]
         device = self.keys.device
         _, heads, _, dim = code.exact_keys.shape
@@ -156,7 +155,7 @@ class CompactLayer(VarRateLayer):
         out = attend_codes(code, query[0], code.exact_keys[0], code.exact_values[0], self.keys[0], self.values[0],
                            turns, split, scaling, mask=None if mask is None else mask[0, 0],
                            softcap=softcap, mm_dtype=matmul_dtype(self.config.projection_dtype, device))
-        return out.to(query.dtype).transpose(0, 1).unsqueeze(0).contiguous()
+        return out.to(query.dtype).unsqueeze(0)
 
     def exact_tokens(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Row b's exact tokens [1, H, E, d], held by its code."""
