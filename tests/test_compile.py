@@ -130,6 +130,28 @@ def test_compiling_leaves_the_c_loops_in_use(monkeypatch):
     assert native.available()
 
 
+@pytest.mark.slow
+def test_compiled_generate_over_the_default_compact_cache_under_sdpa_gives_eager_tokens(tiny_llama, fresh_dynamo):
+    """The default: compact storage read over its codes under the model's sdpa. Graph breaks (the prefill's
+    data-dependent steps) are allowed; the tokens must be eager's. ~45 s on CPU."""
+    from test_cache import SMALL
+
+    ids = prompt(tiny_llama, 300)
+
+    def run():
+        cache = VarRateCache(hf_varrate.Bases.identity(tiny_llama.config), model=hf_varrate.bind(tiny_llama),
+                             budget=0.4, coef_bits=4, **SMALL)
+        with torch.no_grad():
+            return tiny_llama.generate(ids, max_new_tokens=4, do_sample=False, past_key_values=cache, pad_token_id=0)
+
+    expected = run()
+    tiny_llama.forward = torch.compile(tiny_llama.forward, backend="eager")
+    try:
+        assert torch.equal(run(), expected)
+    finally:
+        del tiny_llama.forward
+
+
 def test_compiled_generate_on_the_real_model_gives_eager_tokens(smollm2, fresh_dynamo):
     """torch.compile(model.forward) + generate with a compact cache under the "varrate" attention on SmolLM2:
     the same greedy tokens as eager. Dynamo's tracing runs the ops' fake implementations. About a minute

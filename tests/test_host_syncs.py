@@ -1,8 +1,8 @@
 """A decoding step reads nothing back to the host: on a GPU every `.item()`, `.tolist()`, `int(tensor)`,
 `bool(tensor)`, `.cpu()` or data-dependent shape (`nonzero`, boolean indexing) in the library's read waits
 for the device, once per layer and token. Counted here on the CPU with a `TorchFunctionMode` during the
-one-token forwards after the prefill, for the compact read (under the "varrate" attention) and the default
-materialized storage, with the C loops and without (the path a GPU runs).
+one-token forwards after the prefill, for the compact read (under the "varrate" attention, and under sdpa,
+which reads the codes too) and the materialized storage, with the C loops and without (the path a GPU runs).
 
 The count covers calls made from the library's code (a frame under ``hf_varrate/``), except inside
 `codec/ops.py`: those are the CPU kernels of the C loops, which never run on another device. What
@@ -112,12 +112,16 @@ def test_a_several_token_forward_over_the_codes_reads_back_only_its_padding_chec
 
 @pytest.mark.parametrize("fixture, attn", [("tiny_llama", "sdpa"), ("tiny_llama", hf_varrate.ATTENTION),
                                            ("tiny_gemma3", "sdpa")])
-def test_the_default_materialized_storage_reads_nothing_back(fixture, attn, request, attention):  # noqa: F811
+@pytest.mark.parametrize("storage", ["materialized", "compact"])
+def test_each_storage_under_sdpa_or_varrate_reads_nothing_back(fixture, attn, storage, request, attention):  # noqa: F811
+    """Materialized storage, and compact storage under either attention (under sdpa a compact layer hands
+    sdpa stand-ins that read its codes)."""
     model = request.getfixturevalue(fixture)
     attention(model, attn)
     cache = VarRateCache(hf_varrate.Bases.identity(model.config), model=hf_varrate.bind(model), budget=0.4,
-                         coef_bits=4, **SMALL)
-    assert decode_steps(model, cache) == []
+                         coef_bits=4, storage=storage, **SMALL)
+    with native.disabled():
+        assert decode_steps(model, cache) == []
 
 
 @pytest.mark.parametrize("fixture", ["tiny_qwen3", "tiny_gemma3"])
