@@ -35,7 +35,8 @@ run 140 bench_prefill.py --plan smollm2-135m-instruct:float32:1024,2048,4096,819
     --out gpu/prefill
 run 80 bench_prefill.py --plan smollm2-135m-instruct:bfloat16:4096,8192:3,3:3,3 --preset recommended \
     --replays 3 --out gpu/prefill_recommended
-# decode at 4K: full K/V vs materialized vs compact (rebuilt at each step, or attended over its codes)
+# decode at 4K and 8K: full K/V vs materialized vs compact (read over its codes under sdpa; +codes: under
+# the "varrate" attention)
 run 80 bench_decode.py --configs full,materialized,compact,compact+codes --new 32 --repeats 3 --out gpu/decode
 run 80 bench_decode.py --preset recommended --dtype bfloat16 --configs full,materialized,compact,compact+codes \
     --new 32 --repeats 3 --out gpu/decode_recommended_bf16
