@@ -69,6 +69,8 @@ def _shape_table(meta: dict, spectrum: bool = False) -> str:
         (f"sha256 of {WEIGHTS_NAME}", f"`{sha}`"),
         ("hf_varrate version", meta.get("library_version")),
     ]
+    for preset, settings in sorted((meta.get("presets") or {}).items()):  # chosen for this model, held-out confirmed
+        rows.append((f"preset `{preset}` with these bases", ", ".join(f"{k}={v}" for k, v in sorted(settings.items()))))
     return "\n".join(f"| {name} | {value} |" for name, value in rows)
 
 
