@@ -104,7 +104,7 @@ def markdown(result: dict, args, configs: list[str]) -> str:
         rows.append([name, rate["median"], rate["median"] / base,
                      rate["median"] / materialized if materialized else "", rate["spread"],
                      footprints[name]["held"] / 2**20, footprints[name]["held"] / footprints["full"]["held"]])
-    device = f"{env['cuda']} ({env['device']})" if env.get("cuda") else f"{args.threads} CPU thread(s)"
+    device = f"{env['cuda']} ({env['device']})" if env.get("cuda") else f"{env['torch_threads']} CPU thread(s)"
     return (f"## Decode at {args.length} tokens, {args.model} {args.dtype}, preset {args.preset!r}, "
             f"budget {args.budget}, {device}\n\n"
             + common.table(["cache", "tok/s (median)", "vs full", "vs materialized", "spread (max-min)/median",
