@@ -95,10 +95,12 @@ def sdpa_over_codes(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
     """`F.scaled_dot_product_attention` over a compact layer's codes: [B, Hq, Q, d] as sdpa returns it, or
     None where the codes cannot be read as asked (the caller then rebuilds the K/V and runs sdpa).
 
-    Read: one sequence, `key` and `value` one pair, no dropout, no causal flag (sdpa's is top-left
-    aligned), a mask shared by the heads, and query heads a multiple of the KV heads (with or without
-    `enable_gqa`; transformers packs one decoding query's heads as [B, H, rep, d])."""
+    Read: one sequence, `key` and `value` one pair not yet rebuilt, no dropout, no causal flag (sdpa's is
+    top-left aligned), a mask shared by the heads, and query heads a multiple of the KV heads (with or
+    without `enable_gqa`; transformers packs one decoding query's heads as [B, H, rep, d])."""
     if not (isinstance(key, CodedRead) and isinstance(value, CodedRead) and key.shared is value.shared):
+        return None
+    if "kv" in key.shared:  # already rebuilt for another operation (which may have edited it: kvpress does)
         return None
     if type(query) is not torch.Tensor or dropout_p or is_causal or query.dim() != 4 or query.shape[0] != 1:
         return None

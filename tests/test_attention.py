@@ -248,3 +248,24 @@ def test_a_loaded_compact_cache_answers_over_its_codes(tiny_llama, attention, mo
     attention(tiny_llama, hf_varrate.ATTENTION)
     reads_codes(monkeypatch)
     assert torch.equal(answer(tiny_llama, loaded), expected)
+
+
+def test_a_stand_in_edited_in_place_is_attended_as_edited(tiny_llama):
+    """A wrapper that writes into the keys before sdpa (kvpress masks keys so) is obeyed: once a stand-in has
+    been rebuilt for another operation, sdpa runs on the rebuilt, edited tensors."""
+    import torch.nn.functional as F
+
+    ids = prompt(tiny_llama, 300)
+    cache = compact(tiny_llama)
+    with torch.no_grad():
+        tiny_llama(ids, past_key_values=cache)
+    cache.compress()
+    layer = next(layer for layer in cache.layers if isinstance(layer, VarRateLayer))
+    step = torch.randn(1, layer.keys.shape[1], 1, layer.keys.shape[-1])
+    keys, values = layer.update(step, step)
+    query = torch.randn(1, keys.shape[1], 1, keys.shape[-1])
+    keys[:, :, :-1] = 0.0  # every token but the last scores 0
+    want_k, want_v = layer.read()
+    want_k[:, :, :-1] = 0.0
+    got = F.scaled_dot_product_attention(query, keys, values)
+    torch.testing.assert_close(got, F.scaled_dot_product_attention(query, want_k, want_v))
