@@ -91,7 +91,6 @@ class VarRateLayer(TurnsMixin, DynamicLayer):
         self.config = config
         self.rope = rope
         self.memo = memo if memo is not None else RopeMemo()
-        self.coded_reads = False  # set before each forward by the binding hook: the model's attention is "varrate"
         self._reset_state()
 
     def _reset_state(self):
@@ -148,7 +147,6 @@ class VarRateLayer(TurnsMixin, DynamicLayer):
 
     # updates -----------------------------------------------------------------------------------------
     def update(self, key_states, value_states, *args, **kwargs):
-        coded_read, self.coded_reads = self.coded_reads, False  # armed by the hook for this forward only
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         check_arrival(self, key_states, value_states, walk=not self.appended)  # walks the codes once, then compares
@@ -164,9 +162,9 @@ class VarRateLayer(TurnsMixin, DynamicLayer):
         else:
             self.finish_turn()
         self.appended += key_states.shape[-2]
-        return self._append(key_states, value_states, coded_read)
+        return self._append(key_states, value_states)
 
-    def _append(self, key_states, value_states, coded_read: bool):
+    def _append(self, key_states, value_states):
         return super().update(key_states, value_states)
 
     @property

@@ -75,9 +75,9 @@ class CompactLayer(VarRateLayer):
         return layer
 
     # updates and reads -----------------------------------------------------------------------------------
-    def _append(self, key_states, value_states, coded_read: bool):
+    def _append(self, key_states, value_states):
         if not self.codes:
-            return super()._append(key_states, value_states, coded_read)
+            return super()._append(key_states, value_states)
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
         if self.attends_codes(None) and not torch.compiler.is_compiling():
