@@ -41,7 +41,8 @@ class ReconstructionError:
 def reconstruction_error(model, bases: Bases, contexts: list[torch.Tensor], budget: float = 0.2,
                          config: VarRateConfig | None = None, progress: bool = False) -> ReconstructionError:
     """Relative reconstruction error of the codec with `bases` at `budget` on `contexts` (batch 1 each)."""
-    config = (config or VarRateConfig(**bases.calibrated_settings)).replace(budget=budget)
+    # materialized: the error is read off the reconstruction the layer holds
+    config = (config or VarRateConfig(**bases.calibrated_settings)).replace(budget=budget, storage="materialized")
     sums: dict[int, torch.Tensor] = {}  # layer -> [err_k^2, norm_k^2, err_v^2, norm_v^2]
     stored = full = 0
     was_bound = is_bound(model)
