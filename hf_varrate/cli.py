@@ -2,6 +2,7 @@
 
     hf-varrate calibrate --model smollm2-135m-instruct --out my-bases
     hf-varrate push my-bases your-name/smollm2-135m-instruct-varrate [--private] [--revision BRANCH]
+        [--subfolder DIR] [--create-pr]
     hf-varrate demo [--storage compact] [--question "..."]
     hf-varrate --version
 
@@ -48,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     push_parser.add_argument("--revision", default=None, help="branch to push to (created if missing)")
     push_parser.add_argument("--token", default=None, help="Hub token (default: the logged-in one)")
     push_parser.add_argument("--message", default=None, help="commit message")
+    push_parser.add_argument("--subfolder", default=None, help="folder of the repo to put the bases in")
+    push_parser.add_argument("--create-pr", action="store_true", help="open a pull request instead of committing")
     commands.add_parser("demo", help="compress a document once, answer questions from it (hf-varrate demo --help)",
                         add_help=False)
     return parser
@@ -56,8 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
 def push(args) -> int:
     from .bases import push_folder
 
-    info = push_folder(args.folder, args.repo_id, private=args.private or None, revision=args.revision,
-                       token=args.token, commit_message=args.message)
+    info = push_folder(args.folder, args.repo_id, subfolder=args.subfolder, private=args.private or None,
+                       revision=args.revision, token=args.token, commit_message=args.message, create_pr=args.create_pr)
     print(f"pushed {args.folder} to {args.repo_id}: {getattr(info, 'commit_url', info)}")
     return 0
 

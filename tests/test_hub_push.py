@@ -149,3 +149,5 @@ def test_cli_push(hub, tmp_path, capsys):
     repo = hub.repos[REPO]
     assert repo.private and repo.messages[repo.refs["v2-bases"]] == "cli"
     assert json.loads(repo.commits[repo.refs["v2-bases"]][CONFIG_NAME])["calibration"] == "seed 15"
+    assert main(["push", str(tmp_path), REPO, "--subfolder", "cli-sub", "--create-pr"]) == 0
+    assert "refs/pr/1" in repo.refs and f"cli-sub/{CONFIG_NAME}" in repo.commits[repo.refs["refs/pr/1"]]
