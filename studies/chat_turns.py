@@ -16,8 +16,8 @@ from hf_varrate.demo import FACTS, cache_kwarg, essay_text, plant
 from hf_varrate.models import load_default_model
 
 
-def chat(model, tokenizer, tokens: int, **overrides) -> list[tuple[int, float, str]]:
-    """(sequence length, fraction, answer) after each of the three turns."""
+def chat(model, tokenizer, tokens: int = 1800, **overrides) -> tuple[list[tuple[int, float, str]], VarRateCache]:
+    """(sequence length, fraction, answer) after each of the three turns, and the cache at the end."""
     encode = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
     docs = [plant(essay_text(), tokenizer, tokens, [f[0] for f in FACTS[i : i + 2]], (0.3, 0.7), seed=i)
             for i in (0, 2)]
@@ -39,7 +39,7 @@ def chat(model, tokenizer, tokens: int, **overrides) -> list[tuple[int, float, s
         answer = tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True).strip()
         ids = out[0].tolist()
         rows.append((len(ids), cache.footprint().fraction, answer))
-    return rows
+    return rows, cache
 
 
 def main() -> None:
@@ -48,7 +48,7 @@ def main() -> None:
     args = parser.parse_args()
     model, tokenizer = load_default_model("smollm2-135m-instruct")
     for name, overrides in (("later turns coded", {}), ("later turns exact", {"min_turn_tokens": None})):
-        for turn, (length, fraction, answer) in enumerate(chat(model, tokenizer, args.tokens, **overrides), 1):
+        for turn, (length, fraction, answer) in enumerate(chat(model, tokenizer, args.tokens, **overrides)[0], 1):
             print(f"{name}, turn {turn}: {length} tokens, fraction {fraction:.3f}, answer {answer!r}")
 
 

@@ -264,8 +264,9 @@ def test_a_misspelt_keyword_suggests_the_closest_field(tiny_llama):
 
 def test_a_dict_config_is_read_and_another_type_is_a_type_error(tiny_llama):
     bases = Bases.identity(tiny_llama.config)
-    cache = VarRateCache(bases, {"budget": 0.3, **SMALL}, model_config=tiny_llama.config)
-    assert cache.config == VarRateConfig(budget=0.3, **SMALL)
+    # materialized: identity bases record no RoPE, and compact storage without them falls back (with a warning)
+    cache = VarRateCache(bases, {"budget": 0.3, "storage": "materialized", **SMALL}, model_config=tiny_llama.config)
+    assert cache.config == VarRateConfig(budget=0.3, storage="materialized", **SMALL)
     with pytest.raises(TypeError, match="config must be a VarRateConfig, a dict of its fields or None, got str"):
         VarRateCache(bases, "recommended", model_config=tiny_llama.config)
 

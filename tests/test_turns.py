@@ -121,29 +121,11 @@ def test_min_turn_tokens_none_keeps_later_turns_exact(tiny_llama):
 @pytest.mark.slow
 def test_a_three_turn_chat_over_two_documents_stays_at_the_budget(smollm2):
     """SmolLM2 and its shipped bases (the card's one-liner, no model=): a chat whose first and second user turns
-    each paste a ~1,800-token document and whose third asks about the first. The whole sequence stays within
-    0.05 of the budget after every turn (the second document coded as a segment of its own)."""
-    from hf_varrate.demo import FACTS, essay_text, plant
+    each paste a ~1,800-token document and whose third asks about the first (studies/chat_turns.py). The whole
+    sequence stays within 0.05 of the budget after every turn (the second document coded as a segment of its own)."""
+    from studies.chat_turns import chat
 
-    model, tokenizer = smollm2
-    encode = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
-    docs = [plant(essay_text(), tokenizer, 1800, [f[0] for f in FACTS[i : i + 2]], (0.3, 0.7), seed=i)
-            for i in (0, 2)]
-    users = [f"Read the text below and answer the question.\n\n{docs[0]}\n\n{FACTS[0][1]}",
-             f"Here is another text.\n\n{docs[1]}\n\n{FACTS[2][1]}", FACTS[1][1]]
-    cache = VarRateCache.from_pretrained("smollm2-135m-instruct")
-    ids, fractions, answers = [], [], []
-    for turn, user in enumerate(users):
-        if turn == 0:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
-                                                 add_generation_prompt=True)
-        else:  # SmolLM2's ChatML, after the previous answer
-            text = f"<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
-        ids = ids + encode(text)
-        out = greedy(model, torch.tensor([ids]), cache, new=12)
-        answers.append(tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True))
-        ids = out[0].tolist()
-        fractions.append(cache.footprint().fraction)
+    rows, cache = chat(*smollm2)
     layer = next(layer for layer in cache.layers if isinstance(layer, hf_varrate.VarRateLayer))
     assert len(layer.turns) == 1 and layer.turns[0].kept > 1800  # the second document; the third turn is short
-    assert all(abs(f - cache.config.budget) < 0.05 for f in fractions), (fractions, answers)
+    assert all(abs(fraction - cache.config.budget) < 0.05 for _, fraction, _ in rows), rows
