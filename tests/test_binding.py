@@ -15,10 +15,11 @@ from hf_varrate.binding import attention_modules, key_padding
 CAPTURED = {}
 
 
-def capturing_attention(module, query, key, value, attention_mask, **kwargs):
+def capturing_attention(module, query, key, value, attention_mask, dropout=0.0, **kwargs):
+    # dropout may come by position: kvpress, once imported, wraps every registered attention function so
     if query.shape[2] > 1:
         CAPTURED[module.layer_idx] = query.detach().clone()
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, **kwargs)
 
 
 AttentionInterface.register("varrate_test_capture", capturing_attention)
