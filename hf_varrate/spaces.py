@@ -65,33 +65,13 @@ class CodingSpaces:
             self._copies = shared_copies(self.bases)
         return self._copies
 
-    @property
-    def _resident(self):
-        return self.copies.resident
-
-    @property
-    def _balanced(self):
-        return self.copies.balanced
-
-    @property
-    def _balanced_spectra(self):
-        return self.copies.balanced_spectra
-
-    @property
-    def _energies(self):
-        return self.copies.energies
-
-    @property
-    def _split(self):
-        return self.copies.split
-
     def basis(self, layer_idx: int, device=None) -> torch.Tensor:
         """fp32 [R, D] on `device`, uploaded once per device and then kept resident."""
         device = torch.device(device) if device is not None else torch.device("cpu")
         key = (layer_idx, str(device))
-        if key not in self._resident:
-            self._resident[key] = self._upload(layer_idx, device)
-        return self._resident[key]
+        if key not in self.copies.resident:
+            self.copies.resident[key] = self._upload(layer_idx, device)
+        return self.copies.resident[key]
 
     def _upload(self, layer_idx: int, device: torch.device) -> torch.Tensor:
         if layer_idx not in self.bases.tensors:
@@ -103,15 +83,15 @@ class CodingSpaces:
         """The coding basis as attention over the codes reads it (`codec.attend.split_basis`), kept per layer,
         coding space and device: one copy per model, shared by every cache on these bases."""
         key = (layer_idx, str(torch.device(device)), balance, float(key_weight))
-        if key not in self._split:
-            self._split[key] = split_basis(*self.coding_basis(layer_idx, balance, device, key_weight), heads, dim)
-        return self._split[key]
+        if key not in self.copies.split:
+            self.copies.split[key] = split_basis(*self.coding_basis(layer_idx, balance, device, key_weight), heads, dim)
+        return self.copies.split[key]
 
     def layer_copies(self, layer_idx: int) -> dict[str, torch.Tensor]:
         """{name: tensor} of every copy derived for layer `layer_idx` (on each device it was asked for): what a
         model split across devices must find on that layer's device (`hf_varrate.devices`)."""
-        copies = {f"basis {key}": t for key, t in self._resident.items() if key[0] == layer_idx}
-        for kind, held in (("coding", self._balanced), ("attention", self._split)):
+        copies = {f"basis {key}": t for key, t in self.copies.resident.items() if key[0] == layer_idx}
+        for kind, held in (("coding", self.copies.balanced), ("attention", self.copies.split)):
             copies.update({f"{kind} {key} {i}": t for key, pair in held.items() if key[0] == layer_idx
                            for i, t in enumerate(pair) if t is not None})
         return copies
@@ -119,9 +99,9 @@ class CodingSpaces:
     def nbytes(self) -> int:
         """Bytes of every tensor these bases hold: the stored ones and the copies made for coding and reading
         (per device and coding space). Shared by every cache built on them: a per-model cost."""
-        held = [*self.bases.tensors.values(), *self.bases.spectra.values(), *self._resident.values(),
-                *(t for pair in self._balanced.values() for t in pair), *self._balanced_spectra.values(),
-                *(t for pair in self._split.values() for t in pair)]
+        held = [*self.bases.tensors.values(), *self.bases.spectra.values(), *self.copies.resident.values(),
+                *(t for pair in self.copies.balanced.values() for t in pair), *self.copies.balanced_spectra.values(),
+                *(t for pair in self.copies.split.values() for t in pair)]
         return tensor_bytes(*{id(t): t for t in held}.values())  # identity bases share one tensor
 
     def coding_basis(self, layer_idx: int, balance: str, device=None,
@@ -133,7 +113,7 @@ class CodingSpaces:
             return self.basis(layer_idx, device), None
         device = torch.device(device) if device is not None else torch.device("cpu")
         key = (layer_idx, str(device), balance, float(key_weight))
-        if key not in self._balanced:
+        if key not in self.copies.balanced:
             basis = self._upload(layer_idx, device)  # not kept: only the scaled space is coded with
             spectrum = self.bases.spectrum(layer_idx)
             if spectrum is None:
@@ -143,14 +123,14 @@ class CodingSpaces:
                     f"(hf-varrate calibrate ...) or use balance='none'"
                 )
             balanced, scales, singular = balanced_basis(basis, spectrum, balance, key_weight)
-            self._balanced[key] = balanced, scales
-            self._balanced_spectra[key[:1] + key[2:]] = singular
-        return self._balanced[key]
+            self.copies.balanced[key] = balanced, scales
+            self.copies.balanced_spectra[key[:1] + key[2:]] = singular
+        return self.copies.balanced[key]
 
     def coding_energies(self, balance: str, key_weight: float = 1.0) -> tuple[torch.Tensor, dict[int, int]]:
         """(energies [L, R] of every compressed layer's coding space, {layer index: row}) for per-layer
         budgets (`codec.layer_budget`): the shipped spectra, or the scaled space's (`coding_basis`)."""
-        if (balance, key_weight) not in self._energies:
+        if (balance, key_weight) not in self.copies.energies:
             layers = sorted(self.bases.tensors)
             missing = [i for i in layers if self.bases.spectrum(i) is None]
             if missing:
@@ -164,9 +144,9 @@ class CodingSpaces:
             else:
                 for i in layers:
                     self.coding_basis(i, balance, key_weight=key_weight)
-                spectra = [self._balanced_spectra[(i, balance, float(key_weight))] for i in layers]
-            self._energies[(balance, key_weight)] = energy_shares(spectra), {i: row for row, i in enumerate(layers)}
-        return self._energies[(balance, key_weight)]
+                spectra = [self.copies.balanced_spectra[(i, balance, float(key_weight))] for i in layers]
+            self.copies.energies[(balance, key_weight)] = energy_shares(spectra), {i: row for row, i in enumerate(layers)}
+        return self.copies.energies[(balance, key_weight)]
 
     def layer_share(self, layer_idx: int, config) -> tuple[torch.Tensor, int] | None:
         """What `compress_prompt(layer_share=...)` takes for layer `layer_idx` under `config.layer_budgets`
