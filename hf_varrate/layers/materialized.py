@@ -54,9 +54,9 @@ class MaterializedLayer(VarRateLayer):
 
     def appended_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The tokens after the prompt stored exactly (coded later turns left out)."""
-        pieces = exact_pieces(self.turns, self.prompt_kept, self.keys.shape[-2])
         if not self.turns:
             return self.keys[..., self.prompt_kept :, :], self.values[..., self.prompt_kept :, :]
+        pieces = exact_pieces(self.turns, self.prompt_kept, self.keys.shape[-2])
         return (torch.cat([self.keys[..., a:b, :] for a, b in pieces] or [self.keys[..., :0, :]], dim=-2),
                 torch.cat([self.values[..., a:b, :] for a, b in pieces] or [self.values[..., :0, :]], dim=-2))
 
