@@ -1,35 +1,46 @@
 """`CodingSpaces`: the tensors a model's bases are coded and read with, derived once and kept.
 
-Per layer and device: the fp32 basis (the stored ones may be fp16), the basis of the space a config codes
-in (balance='rms' and key_weight scale the value half: `codec.balance`) with its singular values for
-per-layer budgets, and the split copy attention over the codes reads (`codec.attend.split_basis`). Reached
-through a `Bases` (`bases.spaces`) and shared by every `Bases` of the same content (two caches loading the same
-folder make one set of copies per device, held while any of them lives), and `nbytes` counts them.
+Per layer, device and coding space, one fp32 copy of the basis the layer codes with (balance='rms' and
+key_weight scale the value half: `codec.balance`; unscaled, the stored basis in fp32), with its half scales and
+singular values (per-layer budgets). Attention over the codes reads that copy with each head's key dims in
+RoPE-pair order (`codec.attend.paired_columns`): at the first read the copy is reordered in place of the one
+kept, and coding derives the natural order from it when it needs it (a permutation: the same numbers). So a
+model's bases cost the stored tensors plus one fp32 copy per layer and device, not one per use. Reached through
+a `Bases` (`bases.spaces`) and shared by every `Bases` of the same content (two caches loading the same folder
+make one set of copies per device, held while any of them lives), and `nbytes` counts them.
 """
 
 from __future__ import annotations
 
 import hashlib
 import weakref
+from typing import NamedTuple
 
 import torch
 
 from .codec import tensor_bytes
-from .codec.attend import split_basis
+from .codec.attend import paired_columns
 from .codec.balance import balanced_basis
 from .codec.layer_budget import energy_shares
 from .errors import BasesError
+
+
+class CodingCopy(NamedTuple):
+    """One layer's coding basis [R, D] fp32 on one device, its half scales [D] (None: unscaled) and the head dim
+    its key columns are paired for (None: in the stored order)."""
+
+    basis: torch.Tensor
+    scales: torch.Tensor | None
+    paired_dim: int | None
 
 
 class DerivedCopies:
     """The derived tensors themselves, shared by the `CodingSpaces` of equal bases (`shared_copies`)."""
 
     def __init__(self):
-        self.resident: dict[tuple[int, str], torch.Tensor] = {}  # fp32 bases, per device
-        self.balanced: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # scaled spaces
+        self.coding: dict[tuple, CodingCopy] = {}  # (layer, device, balance, key_weight) -> the one copy
         self.balanced_spectra: dict[tuple, torch.Tensor] = {}  # (layer, balance, key_weight) -> singular values
         self.energies: dict[tuple, tuple[torch.Tensor, dict[int, int]]] = {}  # (balance, key_weight) -> shares
-        self.split: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # attention's copies
 
 
 # content digest -> the copies of bases with that content, while some Bases holds them (weak: no leak)
@@ -66,12 +77,8 @@ class CodingSpaces:
         return self._copies
 
     def basis(self, layer_idx: int, device=None) -> torch.Tensor:
-        """fp32 [R, D] on `device`, uploaded once per device and then kept resident."""
-        device = torch.device(device) if device is not None else torch.device("cpu")
-        key = (layer_idx, str(device))
-        if key not in self.copies.resident:
-            self.copies.resident[key] = self._upload(layer_idx, device)
-        return self.copies.resident[key]
+        """fp32 [R, D] on `device`, in the stored order (the stored tensor itself when it already is that)."""
+        return self.coding_basis(layer_idx, "none", device)[0]
 
     def _upload(self, layer_idx: int, device: torch.device) -> torch.Tensor:
         if layer_idx not in self.bases.tensors:
@@ -79,42 +86,53 @@ class CodingSpaces:
         return self.bases.tensors[layer_idx].to(device=device, dtype=torch.float32).contiguous()
 
     def attention_basis(self, layer_idx: int, balance: str, device, heads: int, dim: int,
-                        key_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-        """The coding basis as attention over the codes reads it (`codec.attend.split_basis`), kept per layer,
-        coding space and device: one copy per model, shared by every cache on these bases."""
-        key = (layer_idx, str(torch.device(device)), balance, float(key_weight))
-        if key not in self.copies.split:
-            self.copies.split[key] = split_basis(*self.coding_basis(layer_idx, balance, device, key_weight), heads, dim)
-        return self.copies.split[key]
+                        key_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The coding basis as attention over the codes reads it (`codec.attend.split_basis`): views of the one
+        copy kept per layer, coding space and device, reordered for reading at the first call."""
+        key, copy = self._coding_copy(layer_idx, balance, device, key_weight)
+        if copy.paired_dim is None:
+            order = paired_columns(copy.basis.shape[1], dim, copy.basis.device)
+            copy = self.copies.coding[key] = CodingCopy(copy.basis.index_select(1, order), copy.scales, dim)
+        elif copy.paired_dim != dim:
+            raise ValueError(f"layer {layer_idx} was read with head dim {copy.paired_dim} and now {dim}")
+        half = heads * dim
+        scales = None if copy.scales is None else copy.scales[half:]
+        return copy.basis[:, :half], copy.basis[:, half:], scales
 
     def layer_copies(self, layer_idx: int) -> dict[str, torch.Tensor]:
         """{name: tensor} of every copy derived for layer `layer_idx` (on each device it was asked for): what a
         model split across devices must find on that layer's device (`hf_varrate.devices`)."""
-        copies = {f"basis {key}": t for key, t in self.copies.resident.items() if key[0] == layer_idx}
-        for kind, held in (("coding", self.copies.balanced), ("attention", self.copies.split)):
-            copies.update({f"{kind} {key} {i}": t for key, pair in held.items() if key[0] == layer_idx
-                           for i, t in enumerate(pair) if t is not None})
-        return copies
+        return {f"coding {key} {i}": t for key, copy in self.copies.coding.items() if key[0] == layer_idx
+                for i, t in enumerate(copy[:2]) if t is not None}
 
     def nbytes(self) -> int:
         """Bytes of every tensor these bases hold: the stored ones and the copies made for coding and reading
         (per device and coding space). Shared by every cache built on them: a per-model cost."""
-        held = [*self.bases.tensors.values(), *self.bases.spectra.values(), *self.copies.resident.values(),
-                *(t for pair in self.copies.balanced.values() for t in pair), *self.copies.balanced_spectra.values(),
-                *(t for pair in self.copies.split.values() for t in pair)]
+        held = [*self.bases.tensors.values(), *self.bases.spectra.values(), *self.copies.balanced_spectra.values(),
+                *(t for copy in self.copies.coding.values() for t in copy[:2] if t is not None)]
         return tensor_bytes(*{id(t): t for t in held}.values())  # identity bases share one tensor
 
     def coding_basis(self, layer_idx: int, balance: str, device=None,
                      key_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The basis [R, D] fp32 a layer codes with and its half scales [D] (None: unscaled, the paper's z_t);
         balance='rms' or a key_weight other than 1 derives them once per layer and device
-        (`codec.balance.balanced_basis`)."""
-        if balance == "none" and key_weight == 1.0:
-            return self.basis(layer_idx, device), None
+        (`codec.balance.balanced_basis`). In the stored column order: once attention has read the layer, a
+        reordered copy of the one kept (not kept itself)."""
+        _, copy = self._coding_copy(layer_idx, balance, device, key_weight)
+        if copy.paired_dim is None:
+            return copy.basis, copy.scales
+        order = paired_columns(copy.basis.shape[1], copy.paired_dim, copy.basis.device)
+        return copy.basis.index_select(1, order.argsort()), copy.scales
+
+    def _coding_copy(self, layer_idx: int, balance: str, device, key_weight: float) -> tuple[tuple, CodingCopy]:
+        """(key, the one copy kept for this layer, device and coding space), derived at the first call."""
         device = torch.device(device) if device is not None else torch.device("cpu")
         key = (layer_idx, str(device), balance, float(key_weight))
-        if key not in self.copies.balanced:
-            basis = self._upload(layer_idx, device)  # not kept: only the scaled space is coded with
+        if key not in self.copies.coding:
+            basis = self._upload(layer_idx, device)
+            if balance == "none" and key_weight == 1.0:
+                self.copies.coding[key] = CodingCopy(basis, None, None)
+                return key, self.copies.coding[key]
             spectrum = self.bases.spectrum(layer_idx)
             if spectrum is None:
                 raise ValueError(
@@ -123,9 +141,9 @@ class CodingSpaces:
                     f"(hf-varrate calibrate ...) or use balance='none'"
                 )
             balanced, scales, singular = balanced_basis(basis, spectrum, balance, key_weight)
-            self.copies.balanced[key] = balanced, scales
+            self.copies.coding[key] = CodingCopy(balanced, scales, None)
             self.copies.balanced_spectra[key[:1] + key[2:]] = singular
-        return self.copies.balanced[key]
+        return key, self.copies.coding[key]
 
     def coding_energies(self, balance: str, key_weight: float = 1.0) -> tuple[torch.Tensor, dict[int, int]]:
         """(energies [L, R] of every compressed layer's coding space, {layer index: row}) for per-layer
@@ -143,7 +161,7 @@ class CodingSpaces:
                 spectra = [self.bases.spectrum(i) for i in layers]
             else:
                 for i in layers:
-                    self.coding_basis(i, balance, key_weight=key_weight)
+                    self._coding_copy(i, balance, None, key_weight)
                 spectra = [self.copies.balanced_spectra[(i, balance, float(key_weight))] for i in layers]
             self.copies.energies[(balance, key_weight)] = energy_shares(spectra), {i: row for row, i in enumerate(layers)}
         return self.copies.energies[(balance, key_weight)]

@@ -90,4 +90,10 @@ def test_bases_bytes_count_every_copy_once_and_a_balanced_cache_keeps_no_unscale
     per_layer = (rank * width + width + rank) * 4  # the scaled basis, its scales, its singular values (fp32)
     assert bases.nbytes() == stored + len(bases.tensors) * per_layer  # once, for both caches
     assert all(cache.footprint().bases_bytes == bases.nbytes() for cache in caches)
+    natural = {i: bases.coding_basis(i, "rms", "cpu")[0].clone() for i in bases.tensors}
+    with bound(tiny_llama), torch.no_grad():  # decoding reads the codes: the kept copy is reordered, not copied
+        for cache in caches:
+            tiny_llama(input_ids=torch.randint(2, 128, (1, 1)), past_key_values=cache)
+    assert bases.nbytes() == stored + len(bases.tensors) * per_layer
+    assert all(torch.equal(bases.coding_basis(i, "rms", "cpu")[0], natural[i]) for i in bases.tensors)
 

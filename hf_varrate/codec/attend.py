@@ -40,7 +40,8 @@ def attend_codes(code: PromptCode, query, exact_keys, exact_values, tail_keys, t
     [Q, S + T] bool (True: attend) / additive float over the cache slots (prompt slots, then the tail),
     as the model's attention mask gives it. `turns`: the prompt positions' RoPE (cos, sin) pairs
     (`rope.rope_turns`, or `RopeMemo.turns`, which keeps them for a forward). `split`: the coding basis as
-    attention reads it (`split_basis`; `Bases.attention_basis` keeps it per layer). Returns [Hq, Q, d] fp32."""
+    attention reads it, (keys' half [R, H * d] with paired dims, values' half [R, H * d], the values' scales [H * d]
+    or None): `split_basis`, or views of the copy `Bases.attention_basis` keeps. Returns [Hq, Q, d] fp32."""
     plan = code_layout(code)
     heads_q, q_len, dim = query.shape
     heads = exact_keys.shape[0]
@@ -50,7 +51,7 @@ def attend_codes(code: PromptCode, query, exact_keys, exact_values, tail_keys, t
         coded, neighbours = coded.index_select(0, plan.order), neighbours.index_select(0, plan.order)
     exact, anchors = code.exact_pos, code.anchor_pos
     in_exact = torch.searchsorted(exact, anchors)  # anchors are exact tokens: their rows among them
-    basis_k, basis_v = split
+    basis_k, basis_v, value_scales = split
     q = query.float().reshape(heads, rows, dim)
     pairs = _pair_order(dim, query.device)
     with record_function("varrate.attend_keys"):
@@ -71,7 +72,10 @@ def attend_codes(code: PromptCode, query, exact_keys, exact_values, tail_keys, t
         mixed = _mix_codes(pieces, p_coded.reshape(heads * rows, n_coded))  # [H * rows, width]
         width = mixed.shape[1]
         values = padded_basis(basis_v, width).view(width, heads, dim).transpose(0, 1)  # [H, width, d]
-        out += torch.matmul(mixed.view(heads, rows, width), values)
+        coded_values = torch.matmul(mixed.view(heads, rows, width), values)
+        if value_scales is not None:  # the coded space scaled the values: divided out once, on [H, rows, d]
+            coded_values.div_(value_scales.view(heads, 1, dim))
+        out += coded_values
     return out.view(heads_q, q_len, dim)
 
 
@@ -186,15 +190,21 @@ def code_pieces(code: PromptCode, plan: RankOrder | DenseOrder, dtype: torch.dty
     return pieces
 
 
-def split_basis(basis, scales, heads: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The basis [R, D] as attention reads it, divided by the balance `scales` (coded z_t = scaled z_t):
-    (the keys' half [R, H * d] with paired dims (`_pair_order`), the values' half [R, H * d])."""
+def split_basis(basis, scales, heads: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The basis [R, D] as attention reads it: (the keys' half [R, H * d] with paired dims (`_pair_order`), the
+    values' half [R, H * d], the values' scales [H * d] or None). `scales` are the coding space's (coded
+    z_t = scaled z_t), 1 on the key half (`codec.balance`). Views of `paired_columns`' reordering of the basis."""
     half = heads * dim
-    keys, values = basis[:, :half], basis[:, half:]
-    if scales is not None:
-        keys, values = keys / scales[:half], values / scales[half:]
-    keys = keys.reshape(-1, heads, dim)[..., _pair_order(dim, basis.device)].reshape(-1, half).contiguous()
-    return keys, values.contiguous()
+    paired = basis.index_select(1, paired_columns(basis.shape[1], dim, basis.device))
+    return paired[:, :half], paired[:, half:], None if scales is None else scales[half:]
+
+
+def paired_columns(width: int, dim: int, device) -> torch.Tensor:
+    """[D] column order of a basis [R, D] with each head's key dims paired (`_pair_order`), the values as they are:
+    `basis[:, paired_columns(...)]` is what attention reads, and `paired_columns(...).argsort()` undoes it."""
+    heads = width // 2 // dim
+    keys = (torch.arange(heads, device=device)[:, None] * dim + _pair_order(dim, device)).reshape(-1)
+    return torch.cat((keys, torch.arange(width // 2, width, device=device)))
 
 
 @cache
