@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import native
+
 
 def exact_mask(seq_len: int, stride: int, window: int, device=None) -> torch.Tensor:
     """[S] bool: True for the exact set E = anchors at stride `stride` from token 0, plus the last `window`."""
@@ -74,7 +76,8 @@ def nearest_anchors_mm(z_coded: torch.Tensor, z_anchors: torch.Tensor, n_anchors
     Ranks anchors by |b - m|^2 - 2 (z - m).(b - m), which is |z - b|^2 minus a per-row constant:
     one fp32 matmul per chunk of `chunk` rows, no sqrt, no clamp, memory bounded by chunk x A.
     Centring on the anchors' mean m keeps the expansion free of cancellation (Appendix A.11); it
-    is never evaluated in half precision.
+    is never evaluated in half precision. On CPU the k smallest of each row come from a C loop
+    (`native.smallest_columns`: the same anchors in the same order).
     """
     anchors = z_anchors.float()
     centre = anchors.mean(dim=0, keepdim=True)  # [1, D]
@@ -85,7 +88,8 @@ def nearest_anchors_mm(z_coded: torch.Tensor, z_anchors: torch.Tensor, n_anchors
     for start in range(0, z_coded.shape[0], chunk):
         block = z_coded[start : start + chunk].float() - centre  # [chunk, D]
         score = torch.addmm(bias, block, anchors.T, alpha=-2.0)  # [chunk, A], fp32
-        out[start : start + chunk] = score.topk(k, dim=-1, largest=False).indices
+        fast = native.smallest_columns(score, k)
+        out[start : start + chunk] = fast if fast is not None else score.topk(k, dim=-1, largest=False).indices
     return out
 
 

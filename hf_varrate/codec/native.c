@@ -176,3 +176,177 @@ void add_anchor_shares(const float *coded, float *exact, int64_t n_rows, int64_t
         }
     }
 }
+
+/* ---- The prefill's loops: coding a prompt (hf_varrate.codec.pipeline's fast path). ---- */
+
+/* z_t = [un-rotated key ; value] of each token at `positions` (hf_varrate.codec.joint.joint_rows, then
+   `* scales` where scales is not NULL), with the same operations in the same order, so bit for bit:
+   ((k1 * c) + (k2 * s)) / ((c * c) + (s * s)) for the first half of each head, ((k2 * c) - (k1 * s)) / ... for
+   the second. keys, values: [heads, S, dim] fp32 with the given head and token strides (dim contiguous);
+   cos, sin [S, dim] fp32 contiguous; out [n, 2 * heads * dim]. */
+void joint_rows(const float *keys, const float *values, int64_t heads, int64_t dim, int64_t key_head_stride,
+                int64_t key_token_stride, int64_t value_head_stride, int64_t value_token_stride, const float *cos,
+                const float *sin, const int64_t *restrict positions, int64_t n, const float *scales, float *out,
+                int threads) {
+    const int64_t half = dim / 2, width = heads * dim;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t p = positions[t];
+        const float *c = cos + p * dim, *s = sin + p * dim;
+        float *z = out + t * 2 * width;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *k = keys + h * key_head_stride + p * key_token_stride;
+            const float *v = values + h * value_head_stride + p * value_token_stride;
+            float *zk = z + h * dim, *zv = z + width + h * dim;
+            for (int64_t i = 0; i < half; i++) {
+                const float c1 = c[i], s1 = s[i], c2 = c[i + half], s2 = s[i + half];
+                const float den1 = c1 * c1 + s1 * s1, den2 = c2 * c2 + s2 * s2;
+                zk[i] = (k[i] * c1 + k[i + half] * s1) / den1;
+                zk[i + half] = (k[i + half] * c2 - k[i] * s2) / den2;
+            }
+            for (int64_t i = 0; i < dim; i++) zv[i] = v[i];
+        }
+        if (scales)
+            for (int64_t i = 0; i < 2 * width; i++) z[i] *= scales[i];
+    }
+}
+
+/* For each row of scores [n_rows, n_cols] fp32, the columns of its k smallest values, smallest first, in out
+   [n_rows, k] int64; ties[row] = 1 where that choice depends on how equal values are ordered (two of the
+   k + 1 smallest are equal), whose order torch.topk leaves to its sort, or where the row holds a NaN or
+   infinities enough to leave a slot empty: the caller takes those rows from torch.topk, so that the
+   anchors are the same everywhere. Blocks of LANES columns with nothing below the current (k + 1)-th
+   smallest (most of them, once a few have been seen) are skipped in one vectorized test. */
+void smallest_columns(const float *scores, int64_t n_rows, int64_t n_cols, int64_t k, int64_t *out, uint8_t *ties,
+                      int threads) {
+    const int64_t keep = k < n_cols ? k + 1 : k;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < n_rows; r++) {
+        const float *row = scores + r * n_cols;
+        float best[keep];
+        int64_t index[keep];
+        uint8_t odd = 0;  /* a NaN seen */
+        for (int64_t i = 0; i < keep; i++) {
+            best[i] = __builtin_inff();
+            index[i] = -1;
+        }
+        for (int64_t j0 = 0; j0 < n_cols; j0 += LANES) {
+            const int64_t j1 = j0 + LANES < n_cols ? j0 + LANES : n_cols;
+            const float bound = best[keep - 1];
+            int below = 0, nan = 0;
+            for (int64_t j = j0; j < j1; j++) {
+                below |= row[j] < bound;
+                nan |= row[j] != row[j];
+            }
+            odd |= nan;
+            if (!below) continue;
+            for (int64_t j = j0; j < j1; j++) {
+                const float value = row[j];
+                if (!(value < best[keep - 1])) continue;  /* equal values keep column order */
+                int64_t at = keep - 1;  /* the last slot, then moved up past larger values */
+                while (at > 0 && value < best[at - 1]) {
+                    best[at] = best[at - 1];
+                    index[at] = index[at - 1];
+                    at--;
+                }
+                best[at] = value;
+                index[at] = j;
+            }
+        }
+        for (int64_t i = 0; i < keep; i++) odd |= index[i] < 0 || (i > 0 && best[i] == best[i - 1]);
+        ties[r] = odd;
+        for (int64_t i = 0; i < k; i++) out[r * k + i] = index[i] < 0 ? 0 : index[i];
+    }
+}
+
+/* Eq. 2 in place: z[t] -= mean of anchors[neighbours[t, :]], the mean as F.embedding_bag(mode="mean") forms
+   it (((a0 + a1) + a2) + ...) / k, bit for bit; also written to means [n, width] where means is not NULL.
+   z [n, width], anchors [A, width] fp32 contiguous. */
+void subtract_means(float *z, int64_t n, int64_t width, const float *restrict anchors,
+                    const int64_t *restrict neighbours, int64_t k, float *means, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < n; t++) {
+        float sum[width];
+        const int64_t *nb = neighbours + t * k;
+        const float *a0 = anchors + nb[0] * width;
+        for (int64_t i = 0; i < width; i++) sum[i] = a0[i];
+        for (int64_t m = 1; m < k; m++) {
+            const float *am = anchors + nb[m] * width;
+            for (int64_t i = 0; i < width; i++) sum[i] += am[i];
+        }
+        float *row = z + t * width;
+        for (int64_t i = 0; i < width; i++) {
+            const float mean = sum[i] / (float)k;
+            row[i] -= mean;
+            if (means) means[t * width + i] = mean;
+        }
+    }
+}
+
+static inline float coefficient(const void *coefs, int bf16, int64_t at) {
+    return bf16 ? from_bf16(((const uint16_t *)coefs)[at]) : ((const float *)coefs)[at];
+}
+
+/* The smallest and largest value of every group of the dense coefficients [C, row_stride] (fp32, or bf16 as
+   uint16), groups in stream order (hf_varrate.codec.quantization.quantize_dense's amin / amax over the groups
+   that exist). runs [n_runs, 3]: (first, stop, rank) as dequantize_runs reads them. lo, hi [groups] fp32. */
+void group_ranges(const void *coefs, int bf16, int64_t row_stride, const int64_t *runs, int64_t n_runs,
+                  int64_t group, float *lo, float *hi, int threads) {
+    int64_t first_group = 0;
+    for (int64_t run = 0; run < n_runs; run++) {
+        const int64_t first = runs[3 * run], rows = runs[3 * run + 1] - first, rank = runs[3 * run + 2];
+        const int64_t groups = (rank + group - 1) / group;
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t row = 0; row < rows; row++) {
+            const int64_t base = (first + row) * row_stride;
+            for (int64_t g = 0; g < groups; g++) {
+                const int64_t j0 = g * group, j1 = j0 + group < rank ? j0 + group : rank;
+                float low = coefficient(coefs, bf16, base + j0), high = low;
+                for (int64_t j = j0 + 1; j < j1; j++) {
+                    const float value = coefficient(coefs, bf16, base + j);
+                    low = value < low ? value : low;
+                    high = value > high ? value : high;
+                }
+                lo[first_group + row * groups + g] = low;
+                hi[first_group + row * groups + g] = high;
+            }
+        }
+        first_group += rows * groups;
+    }
+}
+
+/* 4-bit codes of the dense coefficients (as group_ranges reads them): q = clamp(round_half_even((x - min) /
+   divisor), 0, 15) per value, the divisor inf for a constant group, as quantize_dense computes them; then
+   packed two per byte (value 2i in byte i's low nibble, 2i + 1 in its high one), zero-padded to
+   ceil(count / 8) * 4 bytes as pack_bits writes them. mins, divisors [groups] fp32; scratch [count] uint8. */
+void quantize_runs(const void *coefs, int bf16, int64_t row_stride, const int64_t *runs, int64_t n_runs,
+                   int64_t group, const float *mins, const float *divisors, uint8_t *scratch, int64_t count,
+                   uint8_t *codes, int threads) {
+    int64_t offset = 0, first_group = 0;
+    for (int64_t run = 0; run < n_runs; run++) {
+        const int64_t first = runs[3 * run], rows = runs[3 * run + 1] - first, rank = runs[3 * run + 2];
+        const int64_t groups = (rank + group - 1) / group;
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t row = 0; row < rows; row++) {
+            const int64_t base = (first + row) * row_stride;
+            uint8_t *q = scratch + offset + row * rank;
+            for (int64_t g = 0; g < groups; g++) {
+                const int64_t j0 = g * group, j1 = j0 + group < rank ? j0 + group : rank;
+                const float min = mins[first_group + row * groups + g], div = divisors[first_group + row * groups + g];
+                for (int64_t j = j0; j < j1; j++) {
+                    float value = __builtin_nearbyintf((coefficient(coefs, bf16, base + j) - min) / div);
+                    value = value > 0.0f ? value : 0.0f;
+                    q[j] = (uint8_t)(value < 15.0f ? value : 15.0f);
+                }
+            }
+        }
+        offset += rows * rank;
+        first_group += rows * groups;
+    }
+    const int64_t n_bytes = (count + 7) / 8 * 4;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t i = 0; i < n_bytes; i++) {
+        const uint8_t low = 2 * i < count ? scratch[2 * i] : 0, high = 2 * i + 1 < count ? scratch[2 * i + 1] : 0;
+        codes[i] = (uint8_t)(low | (high << 4));
+    }
+}

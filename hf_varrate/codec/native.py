@@ -1,4 +1,4 @@
-"""Optional C loops for a compact layer's read: when a read uses them.
+"""Optional C loops for coding a prompt and for a compact layer's read: when the codec uses them.
 
 Attending over the codes (`attend.attend_codes`) spends most of a read on elementwise passes over
 layer-sized buffers: unpacking and scaling 4-bit codes, adding the anchor means, RoPE, the scores.
@@ -7,6 +7,12 @@ for the dequantization, to float rounding for the scores). Each function here re
 where its loop does not apply: tensors not on the CPU (a GPU runs the PyTorch path), other dtypes, or no
 library (no compiler, or `HF_VARRATE_NATIVE=0`; `native_build` builds it and says why once); the caller
 then takes its PyTorch path.
+
+Coding a prompt (`pipeline`'s fast path) spends most of its time outside its matmuls in the same kind of
+passes: gathering and un-rotating the joint rows, picking each token's nearest anchors from the distance
+scores (`torch.topk` over a few hundred columns is slow on CPU), subtracting the anchor means, and the
+4-bit quantization of the coefficients. The prefill's loops below do each in one pass, bit for bit as
+the PyTorch path (the anchors' order among exactly equal distances aside: see `smallest_columns`).
 
 The loops run as torch custom ops (`ops`, namespace ``hf_varrate``) with fake implementations, so
 `torch.compile` traces a read that uses them as opaque nodes of its graph (eagerly the wrappers call the
@@ -24,7 +30,7 @@ from . import ops
 from .native_build import ENV_SWITCH, library
 
 __all__ = ["ENV_SWITCH", "add_anchor_shares", "anchor_keys", "available", "coded_key_scores", "dequantize_runs",
-           "disabled"]
+           "disabled", "group_ranges", "joint_rows", "quantize_runs", "smallest_columns", "subtract_means"]
 
 _off = False  # set by `disabled()`
 
@@ -102,3 +108,77 @@ def add_anchor_shares(coded: torch.Tensor, exact: torch.Tensor, neighbours: torc
     _run(ops.add_anchor_shares, ops.add_anchor_shares_loop, coded, exact, neighbours.long().contiguous(),
          anchor_rows.long().contiguous())
     return True
+
+
+# The prefill's loops ----------------------------------------------------------------------------------------
+
+def joint_rows(keys: torch.Tensor, values: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+               scales: torch.Tensor | None) -> torch.Tensor | None:
+    """`joint.joint_rows(keys, values, cos, sin, positions)`, then `* scales` where given, in one pass, bit for bit:
+    keys, values [1, H, S, d] fp32, cos, sin [1, S, d], positions [n], scales [D] fp32 or None -> z [n, D] fp32.
+    None where it does not apply."""
+    if (keys.device.type != "cpu" or keys.dtype != torch.float32 or values.dtype != torch.float32 or not available()
+            or (scales is not None and scales.dtype != torch.float32)):
+        return None
+    return _run(ops.joint_rows, ops.joint_rows_loop, keys[0], values[0], cos[0].float(), sin[0].float(),
+                positions.long(), scales)
+
+
+def smallest_columns(scores: torch.Tensor, k: int) -> torch.Tensor | None:
+    """`scores.topk(k, dim=-1, largest=False).indices` for scores [n, A] fp32 on CPU ([n, k] int64), the same
+    indices in the same order, without topk's selection and sort per row: one pass per row keeps the k + 1
+    smallest. Where two of them are equal, the order torch.topk gives equal values is its sort's, so those
+    rows (rare but for repeated tokens in the first layers) are taken from torch.topk itself. None where it
+    does not apply, and while torch.compile traces (the rows to retake depend on the data)."""
+    if (scores.device.type != "cpu" or scores.dtype != torch.float32 or scores.dim() != 2 or k <= 0
+            or torch.compiler.is_compiling() or not available()):
+        return None
+    index, ties = ops.smallest_columns_loop(scores, k)
+    rows = ties.nonzero()[:, 0]
+    if rows.numel():
+        index[rows] = scores.index_select(0, rows).topk(k, dim=-1, largest=False).indices
+    return index
+
+
+def subtract_means(z: torch.Tensor, anchors: torch.Tensor, neighbours: torch.Tensor, keep: bool) -> torch.Tensor | None:
+    """`z.sub_(gather_means(anchors, neighbours))` in one pass, bit for bit (Eq. 2): z [C, D] fp32
+    contiguous, in place; anchors [A, D] fp32; neighbours [C, c]. Returns the means [C, D] if `keep`, else an
+    empty [0, D] tensor; None where it does not apply (nothing done)."""
+    if (z.device.type != "cpu" or z.dtype != torch.float32 or anchors.dtype != torch.float32 or not z.is_contiguous()
+            or neighbours.shape[1] == 0 or not available()):
+        return None
+    return _run(ops.subtract_means, ops.subtract_means_loop, z, anchors, neighbours.long(), keep)
+
+
+def group_ranges(coefs: torch.Tensor, runs: list[tuple[int, int, int]], group: int) -> list[torch.Tensor] | None:
+    """Each group's [lo, hi] (fp32 [G], stream order) of dense coefficients [C, W] fp32 or bf16 on CPU whose ranks
+    are constant over `runs` (`projection.DenseOrder.runs`), as `quantization.quantize_dense` takes its amin /
+    amax. None where it does not apply."""
+    if (coefs.device.type != "cpu" or coefs.dtype not in (torch.float32, torch.bfloat16) or coefs.dim() != 2
+            or not available() or not _runs_fit(runs, coefs.shape)):
+        return None
+    groups = sum((stop - first) * -(-rank // group) for first, stop, rank in runs)
+    return _run(ops.group_ranges, ops.group_ranges_loop, coefs, _run_table(runs), group, groups)
+
+
+def quantize_runs(coefs: torch.Tensor, runs: list[tuple[int, int, int]], group: int, mins: torch.Tensor,
+                  divisors: torch.Tensor) -> torch.Tensor:
+    """The packed 4-bit stream of `coefs` (as `group_ranges` takes them), given each group's min and divisor (fp32
+    [G]; inf where a group is constant): what `quantization.quantize_dense` packs, bit for bit. Call only where
+    `group_ranges` applied."""
+    count = sum((stop - first) * rank for first, stop, rank in runs)
+    return _run(ops.quantize_runs, ops.quantize_runs_loop, coefs, _run_table(runs), group, mins, divisors, count)
+
+
+def _runs_fit(runs, shape) -> bool:
+    """Whether runs [(first, stop, rank)] tile rows 0..C of a [C, W] matrix in order, each rank within W."""
+    at = 0
+    for first, stop, rank in runs:
+        if first != at or stop < first or not 0 <= rank <= shape[1]:
+            return False
+        at = stop
+    return at == shape[0]
+
+
+def _run_table(runs) -> torch.Tensor:
+    return torch.tensor(runs, dtype=torch.int64).reshape(-1, 3)

@@ -1,4 +1,4 @@
-"""Building and loading `native.c`, the C loops of a compact layer's read, on first use.
+"""Building and loading `native.c`, the C loops of a prompt's coding and a compact layer's read, on first use.
 
 The shared library is compiled with ``$CC`` (else ``cc``) for this CPU (``-march=native``) with OpenMP
 where the compiler has it, into ``$HF_VARRATE_CACHE/kernels`` (see `hf_varrate.models`), keyed by the
@@ -34,6 +34,11 @@ _SIGNATURES = {
     "coded_key_scores": [_P, ctypes.c_int, _I, _I, _I, _P, _P, _I, _P, _P, _P, _I, _P, ctypes.c_int],
     "anchor_keys": [_P, _I, _I, _I, _P, _P, _I, _P, _I, _P],
     "add_anchor_shares": [_P, _P, _I, _I, _I, _P, _I, _P, ctypes.c_int],
+    "joint_rows": [_P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _P, _I, _P, _P, ctypes.c_int],
+    "smallest_columns": [_P, _I, _I, _I, _P, _P, ctypes.c_int],
+    "subtract_means": [_P, _I, _I, _P, _P, _I, _P, ctypes.c_int],
+    "group_ranges": [_P, ctypes.c_int, _I, _P, _I, _I, _P, _P, ctypes.c_int],
+    "quantize_runs": [_P, ctypes.c_int, _I, _P, _I, _I, _P, _P, _P, _I, _P, ctypes.c_int],
 }
 
 

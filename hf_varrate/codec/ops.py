@@ -140,3 +140,117 @@ def shares_rows(coded: torch.Tensor, exact: torch.Tensor) -> bool:
     if coded.stride()[:-1] != exact.stride()[:-1] or coded.shape[:-1] != exact.shape[:-1]:
         return False
     return all(coded.stride(i) == coded.stride(i + 1) * coded.shape[i + 1] for i in range(coded.dim() - 2))
+
+
+# The prefill's loops (coding a prompt: `pipeline`'s fast path).
+
+def joint_rows_loop(keys: torch.Tensor, values: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    positions: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    """keys, values [H, S, d] fp32 (any strides, d contiguous), cos, sin [S, d] fp32, positions [n] int64, scales
+    [D] fp32 or None -> z [n, D] fp32 (`native.joint_rows`)."""
+    heads, seq_len, dim = keys.shape
+    _check_range(positions, seq_len, "positions")
+    keys, values = _dim_contiguous(keys), _dim_contiguous(values)
+    cos, sin, positions = cos.contiguous(), sin.contiguous(), positions.contiguous()
+    scales = scales.contiguous() if scales is not None else None
+    out = torch.empty(positions.numel(), 2 * heads * dim)
+    _loops().joint_rows(_ptr(keys), _ptr(values), heads, dim, keys.stride(0), keys.stride(1), values.stride(0),
+                        values.stride(1), _ptr(cos), _ptr(sin), _ptr(positions), positions.numel(),
+                        _ptr(scales) if scales is not None else None, _ptr(out), torch.get_num_threads())
+    return out
+
+
+joint_rows = torch.library.custom_op(f"{_NAMESPACE}::joint_rows", joint_rows_loop, mutates_args=(), device_types="cpu")
+
+
+@joint_rows.register_fake
+def _(keys, values, cos, sin, positions, scales):
+    return keys.new_empty(positions.shape[0], 2 * keys.shape[0] * keys.shape[2], dtype=torch.float32)
+
+
+def smallest_columns_loop(scores: torch.Tensor, k: int) -> list[torch.Tensor]:
+    """scores [n, A] fp32 -> [indices [n, k] int64, ties [n] bool]: each row's k smallest columns, smallest first
+    (equal values in column order), and whether the row has equal values among its k + 1 smallest (or a NaN),
+    where torch.topk may order them otherwise (`native.smallest_columns`)."""
+    scores = scores.contiguous()
+    if not 0 < k <= scores.shape[1]:
+        raise ValueError(f"k must be in [1, {scores.shape[1]}] (the columns), got {k}")
+    out, ties = torch.empty(scores.shape[0], k, dtype=torch.int64), torch.empty(scores.shape[0], dtype=torch.bool)
+    _loops().smallest_columns(_ptr(scores), scores.shape[0], scores.shape[1], k, _ptr(out), _ptr(ties),
+                              torch.get_num_threads())
+    return [out, ties]
+
+
+smallest_columns = torch.library.custom_op(f"{_NAMESPACE}::smallest_columns", smallest_columns_loop, mutates_args=(),
+                                           device_types="cpu")
+
+
+@smallest_columns.register_fake
+def _(scores, k):
+    return [scores.new_empty(scores.shape[0], k, dtype=torch.int64), scores.new_empty(scores.shape[0], dtype=torch.bool)]
+
+
+def subtract_means_loop(z: torch.Tensor, anchors: torch.Tensor, neighbours: torch.Tensor, keep: bool) -> torch.Tensor:
+    """z [n, D] fp32 contiguous -= the mean of its rows of anchors [A, D] fp32 (neighbours [n, k] int64), in place;
+    returns the means [n, D] if `keep`, else an empty [0, D] tensor (`native.subtract_means`)."""
+    _check_range(neighbours, anchors.shape[0], "neighbours")
+    if not z.is_contiguous():
+        raise ValueError("subtract_means writes z in place: it must be contiguous")
+    anchors, neighbours = anchors.contiguous(), neighbours.contiguous()
+    means = torch.empty(z.shape[0] if keep else 0, z.shape[1])
+    _loops().subtract_means(_ptr(z), z.shape[0], z.shape[1], _ptr(anchors), _ptr(neighbours), neighbours.shape[1],
+                            _ptr(means) if keep else None, torch.get_num_threads())
+    return means
+
+
+subtract_means = torch.library.custom_op(f"{_NAMESPACE}::subtract_means", subtract_means_loop, mutates_args=("z",),
+                                         device_types="cpu")
+
+
+@subtract_means.register_fake
+def _(z, anchors, neighbours, keep):
+    return z.new_empty(z.shape[0] if keep else 0, z.shape[1])
+
+
+def group_ranges_loop(coefs: torch.Tensor, runs: torch.Tensor, group: int, n_groups: int) -> list[torch.Tensor]:
+    """Dense coefficients [C, W] fp32 or bf16, runs int64 [n, 3] (first, stop, rank) -> [lo, hi], fp32 [n_groups]:
+    each group's smallest and largest value, stream order (`native.quantize_runs`)."""
+    coefs, runs = coefs.contiguous(), runs.contiguous()
+    lo, hi = torch.empty(n_groups), torch.empty(n_groups)
+    _loops().group_ranges(_ptr(coefs), int(coefs.dtype == torch.bfloat16), coefs.shape[1], _ptr(runs), runs.shape[0],
+                          group, _ptr(lo), _ptr(hi), torch.get_num_threads())
+    return [lo, hi]
+
+
+group_ranges = torch.library.custom_op(f"{_NAMESPACE}::group_ranges", group_ranges_loop, mutates_args=(),
+                                       device_types="cpu")
+
+
+@group_ranges.register_fake
+def _(coefs, runs, group, n_groups):
+    return [coefs.new_empty(n_groups, dtype=torch.float32), coefs.new_empty(n_groups, dtype=torch.float32)]
+
+
+def quantize_runs_loop(coefs: torch.Tensor, runs: torch.Tensor, group: int, mins: torch.Tensor, divisors: torch.Tensor,
+                       count: int) -> torch.Tensor:
+    """Dense coefficients [C, W] (as `group_ranges_loop`), each group's min and divisor fp32 [G] -> the packed 4-bit
+    stream uint8 [ceil(count / 8) * 4] (`native.quantize_runs`)."""
+    coefs, runs, mins, divisors = coefs.contiguous(), runs.contiguous(), mins.contiguous(), divisors.contiguous()
+    scratch, codes = torch.empty(count, dtype=torch.uint8), torch.empty(-(-count // 8) * 4, dtype=torch.uint8)
+    _loops().quantize_runs(_ptr(coefs), int(coefs.dtype == torch.bfloat16), coefs.shape[1], _ptr(runs), runs.shape[0],
+                           group, _ptr(mins), _ptr(divisors), _ptr(scratch), count, _ptr(codes),
+                           torch.get_num_threads())
+    return codes
+
+
+quantize_runs = torch.library.custom_op(f"{_NAMESPACE}::quantize_runs", quantize_runs_loop, mutates_args=(),
+                                        device_types="cpu")
+
+
+@quantize_runs.register_fake
+def _(coefs, runs, group, mins, divisors, count):
+    return coefs.new_empty(-(-count // 8) * 4, dtype=torch.uint8)
+
+
+def _dim_contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()

@@ -21,6 +21,7 @@ import torch
 from torch.profiler import record_function
 
 from .allocation import topk_ranks, waterfill_ranks
+from . import native
 from .anchors import anchor_positions, exact_mask, gather_means, nearest_anchors_mm
 from .joint import joint_rows
 from .layer_budget import budget_scale
@@ -123,20 +124,21 @@ def compress_prompt(keys, values, queries, cos, sin, basis, config: VarRateConfi
         z = _joint(keys, values, cos, sin, coded_pos, scales)  # [C, D] fp32
     with record_function("varrate.anchor_search"):
         neighbours = nearest_anchors_mm(z, z_anchors, config.n_anchors, config.distance_chunk)  # [C, c]
-        means = gather_means(z_anchors, neighbours)  # Eq. 2
-        z.sub_(means)
+        means = _subtract_means(z, z_anchors, neighbours, keep=reconstruct)  # Eq. 2; None unless kept
     if plan is None:
         with record_function("varrate.allocation"):
             salience = coded_salience(config.signal, dataclasses.replace(inputs, residuals=z))  # coded_pos order
             ranks = allocate(salience, total, floor, rank)
             plan = _plan(ranks, _group(config))
-            coded_pos, z, means, neighbours = (_in_order(t, plan) for t in (coded_pos, z, means, neighbours))
+            coded_pos, z, means, neighbours = (t if t is None else _in_order(t, plan)
+                                               for t in (coded_pos, z, means, neighbours))
     mm_dtype = matmul_dtype(config.projection_dtype, keys.device)
     with record_function("varrate.projection"):
         code.ranks = ranks.to(smallest_uint(rank))
         code.neighbours = _unsort(neighbours, plan).to(smallest_uint(anchor_pos.numel() - 1))
         if isinstance(plan, DenseOrder):
-            code.coefs = _store_dense(encode_dense(z, basis, plan, mm_dtype), plan, keys.dtype, config)
+            coefs = encode_dense(z, basis, plan, mm_dtype, as_computed=config.coef_bits is not None)
+            code.coefs = _store_dense(coefs, plan, keys.dtype, config)
         else:  # Eq. 6, truncated per token
             code.coefs = _store(encode_blocks(z, basis, plan, mm_dtype), code.ranks, keys.dtype, config)
     if not reconstruct:
@@ -220,8 +222,22 @@ def dense_coef_values(code: PromptCode, plan: DenseOrder) -> torch.Tensor:
 
 
 def _joint(keys, values, cos, sin, positions, scales):
+    fast = native.joint_rows(keys, values, cos, sin, positions, scales)  # the same bits, in one pass
+    if fast is not None:
+        return fast
     z = joint_rows(keys, values, cos, sin, positions)
     return z if scales is None else z.mul_(scales)
+
+
+def _subtract_means(z, z_anchors, neighbours, keep: bool):
+    """z -= its anchors' means (Eq. 2), in place; the means [C, D] fp32 if `keep` (the reconstruction adds them
+    back), else None. In one C pass where it applies (the same bits as `gather_means` then `sub_`)."""
+    fast = native.subtract_means(z, z_anchors, neighbours, keep)
+    if fast is not None:
+        return fast if keep else None
+    means = gather_means(z_anchors, neighbours)
+    z.sub_(means)
+    return means if keep else None
 
 
 def _reconstruct(code, plan: RankOrder | DenseOrder, coded, means, basis, keys, values, cos, sin, scales, exact_kv,

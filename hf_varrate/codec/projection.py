@@ -277,10 +277,12 @@ def padded_basis(basis: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def encode_dense(residuals: torch.Tensor, basis: torch.Tensor, plan: DenseOrder,
-                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                 dtype: torch.dtype = torch.float32, as_computed: bool = False) -> torch.Tensor:
     """Eq. 6 for residuals [C, D]: [C, width] fp32 coefficients (entries past a token's rank are not zero:
-    `plan.to_stream` keeps the stored ones)."""
-    return (residuals.to(dtype) @ padded_basis(basis, plan.width).to(dtype).T).float()
+    `plan.to_stream` keeps the stored ones); in the matmul's `dtype` if `as_computed` (the same values: a
+    reader that converts them itself spares a pass)."""
+    coefs = residuals.to(dtype) @ padded_basis(basis, plan.width).to(dtype).T
+    return coefs if as_computed else coefs.float()
 
 
 def decode_dense(means: torch.Tensor, coefs: torch.Tensor, basis: torch.Tensor, plan: DenseOrder,
