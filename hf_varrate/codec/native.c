@@ -10,6 +10,7 @@
 #include <string.h>
 
 #define LANES 16
+#define STRIPES 32
 
 /* fp32 -> bf16, round to nearest even (as PyTorch converts finite values). */
 static inline uint16_t to_bf16(float value) {
@@ -215,8 +216,7 @@ void joint_rows(const float *keys, const float *values, int64_t heads, int64_t d
    [n_rows, k] int64; ties[row] = 1 where that choice depends on how equal values are ordered (two of the
    k + 1 smallest are equal), whose order torch.topk leaves to its sort, or where the row holds a NaN or
    infinities enough to leave a slot empty: the caller takes those rows from torch.topk, so that the
-   anchors are the same everywhere. Blocks of LANES columns with nothing below the current (k + 1)-th
-   smallest (most of them, once a few have been seen) are skipped in one vectorized test. */
+   anchors are the same everywhere. */
 void smallest_columns(const float *scores, int64_t n_rows, int64_t n_cols, int64_t k, int64_t *out, uint8_t *ties,
                       int threads) {
     const int64_t keep = k < n_cols ? k + 1 : k;
@@ -230,28 +230,39 @@ void smallest_columns(const float *scores, int64_t n_rows, int64_t n_cols, int64
             best[i] = __builtin_inff();
             index[i] = -1;
         }
-        for (int64_t j0 = 0; j0 < n_cols; j0 += LANES) {
-            const int64_t j1 = j0 + LANES < n_cols ? j0 + LANES : n_cols;
-            const float bound = best[keep - 1];
-            int below = 0, nan = 0;
-            for (int64_t j = j0; j < j1; j++) {
-                below |= row[j] < bound;
-                nan |= row[j] != row[j];
+        /* an upper bound on the (k + 1)-th smallest value: the (k + 1)-th smallest of the minima of STRIPES
+           stripes of columns (j, j + STRIPES, j + 2 STRIPES, ...; k + 1 stripes each hold a value at most
+           it), so that the scan below inserts few values; the minima vectorize, the scan mostly skips */
+        float low[STRIPES];
+        const int64_t stripes = n_cols < STRIPES ? n_cols : STRIPES;
+        for (int64_t j = 0; j < stripes; j++) low[j] = row[j];
+        for (int64_t j0 = stripes; j0 < n_cols; j0 += stripes) {
+            const int64_t width = n_cols - j0 < stripes ? n_cols - j0 : stripes;
+            for (int64_t j = 0; j < width; j++) low[j] = row[j0 + j] < low[j] ? row[j0 + j] : low[j];
+        }
+        for (int64_t j = 0; j < n_cols; j++) odd |= row[j] != row[j];
+        for (int64_t j = 0; j < stripes; j++) {  /* the keep smallest minima, in best */
+            if (!(low[j] < best[keep - 1])) continue;
+            int64_t at = keep - 1;
+            while (at > 0 && low[j] < best[at - 1]) {
+                best[at] = best[at - 1];
+                at--;
             }
-            odd |= nan;
-            if (!below) continue;
-            for (int64_t j = j0; j < j1; j++) {
-                const float value = row[j];
-                if (!(value < best[keep - 1])) continue;  /* equal values keep column order */
-                int64_t at = keep - 1;  /* the last slot, then moved up past larger values */
-                while (at > 0 && value < best[at - 1]) {
-                    best[at] = best[at - 1];
-                    index[at] = index[at - 1];
-                    at--;
-                }
-                best[at] = value;
-                index[at] = j;
+            best[at] = low[j];
+        }
+        const float bound = best[keep - 1];
+        for (int64_t i = 0; i < keep; i++) best[i] = __builtin_inff();
+        for (int64_t j = 0; j < n_cols; j++) {
+            const float value = row[j];
+            if (!(value <= bound) || !(value < best[keep - 1])) continue;  /* equal values keep column order */
+            int64_t at = keep - 1;  /* the last slot, then moved up past larger values */
+            while (at > 0 && value < best[at - 1]) {
+                best[at] = best[at - 1];
+                index[at] = index[at - 1];
+                at--;
             }
+            best[at] = value;
+            index[at] = j;
         }
         for (int64_t i = 0; i < keep; i++) odd |= index[i] < 0 || (i > 0 && best[i] == best[i - 1]);
         ties[r] = odd;
@@ -266,19 +277,29 @@ void subtract_means(float *z, int64_t n, int64_t width, const float *restrict an
                     const int64_t *restrict neighbours, int64_t k, float *means, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t t = 0; t < n; t++) {
-        float sum[width];
         const int64_t *nb = neighbours + t * k;
+        float *row = z + t * width, *mean_row = means ? means + t * width : NULL;
+        if (k == 4) {  /* the default n_anchors: one vectorized pass */
+            const float *a0 = anchors + nb[0] * width, *a1 = anchors + nb[1] * width;
+            const float *a2 = anchors + nb[2] * width, *a3 = anchors + nb[3] * width;
+            for (int64_t i = 0; i < width; i++) {
+                const float mean = (((a0[i] + a1[i]) + a2[i]) + a3[i]) / 4.0f;
+                row[i] -= mean;
+                if (mean_row) mean_row[i] = mean;
+            }
+            continue;
+        }
+        float sum[width];
         const float *a0 = anchors + nb[0] * width;
         for (int64_t i = 0; i < width; i++) sum[i] = a0[i];
         for (int64_t m = 1; m < k; m++) {
             const float *am = anchors + nb[m] * width;
             for (int64_t i = 0; i < width; i++) sum[i] += am[i];
         }
-        float *row = z + t * width;
         for (int64_t i = 0; i < width; i++) {
             const float mean = sum[i] / (float)k;
             row[i] -= mean;
-            if (means) means[t * width + i] = mean;
+            if (mean_row) mean_row[i] = mean;
         }
     }
 }
