@@ -48,7 +48,7 @@ from .card import render_card, tensor_header
 from .config import VarRateConfig
 from .errors import BasesError, CalibrationOverrideWarning, VarRateWarning
 from .files import replacing_folder
-from .hub import check_subfolder, download_files, upload_files
+from .hub import check_subfolder, download_files, snapshot_commit, upload_files
 from .rotary import RotaryFrequencies
 from .spaces import CodingSpaces
 from .shipped import shipped_path
@@ -77,6 +77,7 @@ class Bases:
         self.source: str | None = None
         self.revision: str | None = None
         self.subfolder: str | None = None
+        self.commit: str | None = None  # the commit `revision` resolved to on the Hub, when it came from there
 
     # construction -----------------------------------------------------------------------------------
     @classmethod
@@ -294,6 +295,7 @@ class Bases:
                                 local_files_only=local_files_only, token=token)
         bases = read_artifact(folder)
         bases.source, bases.revision, bases.subfolder = str(path_or_repo_id), revision, subfolder
+        bases.commit = snapshot_commit(folder)
         return bases
 
 

@@ -22,6 +22,7 @@ into a temporary folder for the same checks.
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -71,6 +72,15 @@ def download_files(repo_id: str, names: tuple[str, ...], *, required: tuple[str,
         raise error(f"the Hub repo {repo_id!r} ({where}) holds no {' or '.join(missing)}: is it the right repo, "
                     f"revision and subfolder? {hint}")
     return folder
+
+
+def snapshot_commit(folder: Path) -> str | None:
+    """The commit a downloaded folder was read at: the HF cache keeps each one under snapshots/<commit>/ (what a
+    branch or tag resolved to at download time). None for a folder outside that layout."""
+    for part in (folder, *folder.parents):
+        if part.parent.name == "snapshots" and re.fullmatch(r"[0-9a-f]{40}", part.name):
+            return part.name
+    return None
 
 
 def _cached_snapshot(repo_id: str, prefix: str, required: tuple[str, ...], revision: str | None,

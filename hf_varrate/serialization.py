@@ -130,7 +130,7 @@ def _metadata(cache, layers: list, tensors_sha256: str) -> dict:
         "model": {"model_id": shape.model_id, "num_layers": shape.num_layers, "num_kv_heads": shape.num_kv_heads,
                   "head_dim": shape.head_dim, "compressed_layers": list(shape.compressed_layers)},
         "bases": {"source": _bases_source(cache), "revision": getattr(cache.bases, "revision", None),
-                  "subfolder": getattr(cache.bases, "subfolder", None),
+                  "commit": getattr(cache.bases, "commit", None), "subfolder": getattr(cache.bases, "subfolder", None),
                   "sha256": bases_fingerprint(cache.bases), "dtype": _bases_dtype(cache.bases)},
         "rope_scaling": None if cache.rope is None else cache.rope.scaling,
         "layers": layers,
@@ -290,12 +290,12 @@ def _load_bases(meta: dict, model, hub: dict) -> Bases:
     if not source:
         raise CacheFileError("the saved cache does not say where its bases came from; pass them: "
                              "VarRateCache.load(dir, model=model, bases=Bases.from_pretrained(...))")
-    revision, subfolder = meta["bases"].get("revision"), meta["bases"].get("subfolder")
-    for name, value in (("revision", revision), ("subfolder", subfolder)):
+    revision, commit, subfolder = (meta["bases"].get(name) for name in ("revision", "commit", "subfolder"))
+    for name, value in (("revision", revision), ("commit", commit), ("subfolder", subfolder)):
         if value is not None and not isinstance(value, str):
             raise CacheFileError(f"bases.{name} is {value!r}, expected null or a string; save the cache again")
-    try:
-        return Bases.from_pretrained(source, revision=revision, subfolder=subfolder, **hub)
+    try:  # the commit the bases were read at, not where a branch points now
+        return Bases.from_pretrained(source, revision=commit or revision, subfolder=subfolder, **hub)
     except (BasesError, OSError) as err:
         raise CacheFileError(f"could not read the bases the cache was saved with ({source}): {err}; pass them: "
                              f"VarRateCache.load(dir, model=model, bases=...)") from err

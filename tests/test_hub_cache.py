@@ -188,3 +188,45 @@ def test_real_smollm2_document_cache_shared_through_the_hub(hub, tmp_path):
     assert written["doc"] > 400 and written["footprint"] < 0.5
     assert read == written  # the same greedy tokens, from the same codes
     assert any("/me/smollm2-bases/resolve/" in line for line in hub.log[start:])  # B read the bases too
+
+
+PINNED_BASES = """
+import json, sys, torch
+from transformers import AutoModelForCausalLM
+from hf_varrate import Bases, VarRateCache, bound
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], attn_implementation="sdpa", dtype=torch.float32).eval()
+if sys.argv[3] == "save":
+    bases = Bases.from_pretrained("me/bases")
+    cache = VarRateCache(bases, model=model, budget=0.4, stride=8, window=16, r_min=2)
+    with bound(model), torch.no_grad():
+        model(torch.tensor(json.loads(sys.argv[4])), past_key_values=cache)
+        cache.compress()
+    cache.save_pretrained(sys.argv[2])
+else:
+    bases = VarRateCache.load(sys.argv[2], model=model).bases
+print(json.dumps({"revision": bases.revision, "commit": bases.commit, "calibration": bases.metadata["calibration"]}))
+"""
+
+
+def test_a_saved_cache_reads_its_bases_at_the_commit_it_was_built_with(hub, tiny, tmp_path):
+    """Bases pulled from a branch record the commit it resolved to, and a saved cache reloads them from that
+    commit after the branch has moved on (not the newer bases, which its fingerprint would refuse)."""
+    model, folder = tiny
+
+    def push_bases(seed: int):
+        g = torch.Generator().manual_seed(seed)
+        identity = Bases.identity(model.config)
+        width = identity.metadata["width"]
+        tensors = {i: torch.linalg.qr(torch.randn(width, width, generator=g, dtype=torch.float64))[0].T.float()
+                   for i in identity.tensors}
+        return Bases.from_tensors(tensors, model.config, calibration=f"seed {seed}").push_to_hub("me/bases")
+
+    first = push_bases(1)
+    env = {"HF_ENDPOINT": hub.url, "HF_HUB_CACHE": str(tmp_path / "hf-cache")}
+    doc, ids = str(tmp_path / "doc"), json.dumps(prompt(model, 300).tolist())
+    [saved] = run_python(PINNED_BASES, env, str(folder), doc, "save", ids)
+    assert saved == {"revision": None, "commit": first.oid, "calibration": "seed 1"}
+    assert json.loads((tmp_path / "doc" / CONFIG_NAME).read_text())["bases"]["commit"] == first.oid
+    push_bases(2)  # main moves on
+    [loaded] = run_python(PINNED_BASES, env, str(folder), doc, "load")
+    assert loaded == {"revision": first.oid, "commit": first.oid, "calibration": "seed 1"}
