@@ -116,6 +116,7 @@ def render_cache_card(meta: dict, tensors_sha256: str, repo_id: str, subfolder: 
     rows = [
         ("model", f"`{model.get('model_id')}`"),
         ("bases", f"`{bases.get('source')}`" + (f" (revision {bases['revision']})" if bases.get("revision") else "")
+         + (f", commit `{bases['commit']}`" if bases.get("commit") else "")
          + (f", subfolder `{bases['subfolder']}`" if bases.get("subfolder") else "")),
         ("budget, storage", f"{config.get('budget')}, {config.get('storage')}"),
         ("layers (compressed)", f"{model.get('num_layers')} ({len(model.get('compressed_layers', []))})"),

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 
 import hf_varrate
 from hf_varrate import Bases, VarRateCache, VarRateWarning
+from hf_varrate.card import render_cache_card
 from hf_varrate.cache_checks import CONFIG_NAME, TENSORS_NAME
 
 from fake_hub import FakeHubServer, run_python
@@ -226,7 +227,9 @@ def test_a_saved_cache_reads_its_bases_at_the_commit_it_was_built_with(hub, tiny
     doc, ids = str(tmp_path / "doc"), json.dumps(prompt(model, 300).tolist())
     [saved] = run_python(PINNED_BASES, env, str(folder), doc, "save", ids)
     assert saved == {"revision": None, "commit": first.oid, "calibration": "seed 1"}
-    assert json.loads((tmp_path / "doc" / CONFIG_NAME).read_text())["bases"]["commit"] == first.oid
+    meta = json.loads((tmp_path / "doc" / CONFIG_NAME).read_text())
+    assert meta["bases"]["commit"] == first.oid
+    assert f"commit `{first.oid}`" in render_cache_card(meta, meta["sha256"], "me/docs")  # the pushed card says it
     push_bases(2)  # main moves on
     [loaded] = run_python(PINNED_BASES, env, str(folder), doc, "load")
     assert loaded == {"revision": first.oid, "commit": first.oid, "calibration": "seed 1"}
