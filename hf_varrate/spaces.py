@@ -77,7 +77,8 @@ class CodingSpaces:
         return self._copies
 
     def basis(self, layer_idx: int, device=None) -> torch.Tensor:
-        """fp32 [R, D] on `device`, in the stored order (the stored tensor itself when it already is that)."""
+        """fp32 [R, D] on `device`, in the stored order (the stored tensor itself while it is fp32 on `device` and
+        no read has reordered the kept copy)."""
         return self.coding_basis(layer_idx, "none", device)[0]
 
     def _upload(self, layer_idx: int, device: torch.device) -> torch.Tensor:
@@ -87,8 +88,8 @@ class CodingSpaces:
 
     def attention_basis(self, layer_idx: int, balance: str, device, heads: int, dim: int,
                         key_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The coding basis as attention over the codes reads it (`codec.attend.split_basis`): views of the one
-        copy kept per layer, coding space and device, reordered for reading at the first call."""
+        """The coding basis as attention over the codes reads it (`codec.attend.attend_codes`'s `split`): views of
+        the one copy kept per layer, coding space and device, reordered for reading at the first call."""
         key, copy = self._coding_copy(layer_idx, balance, device, key_weight)
         if copy.paired_dim is None:
             order = paired_columns(copy.basis.shape[1], dim, copy.basis.device)

@@ -41,7 +41,8 @@ def attend_codes(code: PromptCode, query, exact_keys, exact_values, tail_keys, t
     as the model's attention mask gives it. `turns`: the prompt positions' RoPE (cos, sin) pairs
     (`rope.rope_turns`, or `RopeMemo.turns`, which keeps them for a forward). `split`: the coding basis as
     attention reads it, (keys' half [R, H * d] with paired dims, values' half [R, H * d], the values' scales [H * d]
-    or None): `split_basis`, or views of the copy `Bases.attention_basis` keeps. Returns [Hq, Q, d] fp32."""
+    or None, with the coded values divided by them): views of the coding basis with its columns in `paired_columns`
+    order, as `Bases.attention_basis` keeps it. Returns [Hq, Q, d] fp32."""
     plan = code_layout(code)
     heads_q, q_len, dim = query.shape
     heads = exact_keys.shape[0]
@@ -188,15 +189,6 @@ def code_pieces(code: PromptCode, plan: RankOrder | DenseOrder, dtype: torch.dty
         pieces.append((first, stop, 0, rank, stream[offset : offset + (stop - first) * rank].view(-1, rank)))
         offset += (stop - first) * rank
     return pieces
-
-
-def split_basis(basis, scales, heads: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The basis [R, D] as attention reads it: (the keys' half [R, H * d] with paired dims (`_pair_order`), the
-    values' half [R, H * d], the values' scales [H * d] or None). `scales` are the coding space's (coded
-    z_t = scaled z_t), 1 on the key half (`codec.balance`). Views of `paired_columns`' reordering of the basis."""
-    half = heads * dim
-    paired = basis.index_select(1, paired_columns(basis.shape[1], dim, basis.device))
-    return paired[:, :half], paired[:, half:], None if scales is None else scales[half:]
 
 
 def paired_columns(width: int, dim: int, device) -> torch.Tensor:
