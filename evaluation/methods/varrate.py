@@ -8,6 +8,10 @@ in the method spec (budget, signal, allocation, r_min, stride, ...), so new code
 harness change. The config comes from `Bases.config`: a spec without `preset:` is the paper preset with
 the bases' calibrated stride/window/n_anchors and the spec's fields on top; `preset: recommended` starts
 from that preset instead.
+
+`signal: eval_surprisal` (evaluation only, not a library signal) feeds the codec a salience the cache
+cannot see: each prompt token's surprisal -log p(token | earlier tokens) under the model, from an extra
+forward over the compressed prompt; see `surprisal`.
 """
 
 from __future__ import annotations
@@ -20,12 +24,15 @@ import torch
 
 from hf_varrate import Bases, VarRateCache, VarRateConfig
 from hf_varrate.errors import CalibrationOverrideWarning
+from hf_varrate.signals import SIGNALS, SignalInputs, register_signal
 
-from ..capture import clock, replay
+from ..capture import clock, decoder, replay
 from .base import Compressed, Context, dynamic_from_capture
 
 REPO = Path(__file__).resolve().parents[2]
 NOT_CONFIG = {"kind", "bases", "impl", "preset"}
+SURPRISAL = "eval_surprisal"  # registered (once) when a method spec names it; never by importing this module
+_surprisal: dict = {"current": None}  # the surprisal [S] of the prompt being coded, set only around its replay
 
 
 def shipped_bases() -> Path:
@@ -49,6 +56,8 @@ class VarRateMethod:
     def __init__(self, name: str, spec: dict):
         self.name, self.spec = name, spec
         self.overrides = {k: v for k, v in spec.items() if k not in NOT_CONFIG}
+        if self.overrides.get("signal") == SURPRISAL:
+            register_surprisal()
         known = set(VarRateConfig.__dataclass_fields__)
         unknown = sorted(set(self.overrides) - known)
         if unknown:  # a typo must not silently run the defaults under a new name
@@ -82,10 +91,18 @@ class VarRateMethod:
             cache = replay_press(press, ctx, dynamic_from_capture(ctx.model, ctx.captured))
             seconds = clock() - start
             return Compressed(cache, seconds, extra={"stored_bytes": press.layer_bytes()})
+        extra = {}
+        if config.signal == SURPRISAL:  # the extra forward is not counted: the library would reuse the prefill's
+            head_seconds = surprisal(ctx.model, ctx.ids)  # final hidden states and pay only lm_head + log-softmax
+            extra["cpu_surprisal_head"] = round(head_seconds, 4)
+            start = clock() - head_seconds
         cache = VarRateCache(bases, config, model_config=ctx.model.config)
-        replay(cache, ctx.model, ctx.captured)
+        try:
+            replay(cache, ctx.model, ctx.captured)
+        finally:
+            _surprisal["current"] = None
         seconds = clock() - start
-        extra = {**rank_diagnostics(cache), **fp16_fraction(cache), "bases": self.spec.get("bases", default_bases),
+        extra = {**extra, **rank_diagnostics(cache), **fp16_fraction(cache), "bases": self.spec.get("bases", default_bases),
                  "bases_sha256": weights_sha(bases)}
         return Compressed(cache, seconds, extra=extra)
 
@@ -124,3 +141,41 @@ def rank_diagnostics(cache) -> dict:
     mean = [round(s / c, 2) if c else None for s, c in zip(sums.tolist(), counts.tolist())]  # None: no coded token
     return {"rank_by_decile": mean, "floor_share": at_floor / coded if coded else None,
             "layers_stored_exactly": exact_layers}
+
+
+def surprisal(model, ids: list[int], chunk: int = 512) -> float:
+    """Set the surprisal the `eval_surprisal` signal reads: -log p(ids[t] | ids[:t]) for each t (0 for the first
+    token, an anchor anyway), from one uncompressed forward over `ids`. Returns the CPU seconds of the part a
+    library would pay on top of its prefill: the vocabulary projection over the prompt's final hidden states
+    and the log-softmax, chunked over tokens (the forward itself stands in for the prefill's, not counted)."""
+    with torch.no_grad():
+        hidden = decoder(model)(input_ids=torch.as_tensor(ids).view(1, -1)).last_hidden_state[0]  # [S, h]
+        start = clock()
+        target = torch.as_tensor(ids[1:])
+        cap = getattr(model.config.get_text_config(decoder=True), "final_logit_softcapping", None)
+        nll = [torch.zeros(1)]
+        for lo in range(0, len(ids) - 1, chunk):
+            logits = model.lm_head(hidden[lo : min(lo + chunk, len(ids) - 1)]).float()
+            if cap:
+                logits = torch.tanh(logits / cap) * cap
+            logp = torch.log_softmax(logits, dim=-1)
+            nll.append(-logp.gather(1, target[lo : lo + logits.shape[0], None])[:, 0])
+        spent = clock() - start
+    _surprisal["current"] = torch.cat(nll)
+    return spent
+
+
+def surprisal_signal(x: SignalInputs) -> torch.Tensor:
+    """`eval_surprisal`: the coded tokens' surprisal (set by `surprisal` for the prompt being coded), min-max."""
+    from hf_varrate.codec.salience import minmax
+
+    nll = _surprisal["current"]
+    if nll is None or nll.numel() != x.seq_len:
+        raise RuntimeError(f"signal {SURPRISAL!r} is evaluation-only: it reads the surprisal that "
+                           f"evaluation.methods.varrate.surprisal sets for the prompt being coded")
+    return minmax(nll.to(x.coded.device)[x.coded])
+
+
+def register_surprisal() -> None:
+    if SURPRISAL not in SIGNALS:
+        register_signal(SURPRISAL)(surprisal_signal)
