@@ -52,6 +52,7 @@ from .hub import check_subfolder, download_files, snapshot_commit, upload_files
 from .rotary import RotaryFrequencies
 from .spaces import CodingSpaces
 from .shipped import shipped_path
+from .stored import StoredTensors
 from .version import __version__
 
 
@@ -63,11 +64,13 @@ class Bases:
     `metadata` holds the model's shape (num_layers, num_kv_heads, head_dim, width,
     compressed_layers), rank, model_id, and the calibration settings (stride, window, n_anchors...).
     `spectra` (possibly empty) holds each layer's calibration singular values, fp32 [R], descending.
+    `tensors` maps each compressed layer to its stored basis (`StoredTensors`: read from a file, a layer whose
+    coding copy exists is read again from the file when needed, not held twice).
     """
 
-    def __init__(self, tensors: dict[int, torch.Tensor], metadata: dict,
+    def __init__(self, tensors: dict[int, torch.Tensor] | StoredTensors, metadata: dict,
                  spectra: dict[int, torch.Tensor] | None = None):
-        self.tensors = {int(i): t for i, t in tensors.items()}
+        self.tensors = tensors if isinstance(tensors, StoredTensors) else StoredTensors(tensors)
         self.metadata = dict(metadata)
         # fp32 on the CPU from the start, so what is in memory is what a save and a load give back
         self.spectra = {int(i): s.detach().to("cpu", torch.float32).contiguous() for i, s in (spectra or {}).items()}
@@ -179,11 +182,12 @@ class Bases:
 
     # coding spaces: derived once and kept (`hf_varrate.spaces`) ------------------------------------
     def for_layer(self, layer_idx: int, device=None) -> torch.Tensor:
-        """fp32 [R, D] on `device`, uploaded once per device and then kept resident."""
+        """[R, D] on `device` in the stored dtype, uploaded once per device and then kept resident."""
         return self.spaces.basis(layer_idx, device)
 
     def coding_basis(self, layer_idx: int, balance: str, device=None, key_weight: float = 1.0):
-        """(basis [R, D] fp32, half scales [D] or None) a layer codes with: `CodingSpaces.coding_basis`."""
+        """(basis [R, D] in the stored dtype, half scales [D] fp32 or None) a layer codes with:
+        `CodingSpaces.coding_basis`."""
         return self.spaces.coding_basis(layer_idx, balance, device, key_weight)
 
     def attention_basis(self, layer_idx: int, balance: str, device, heads: int, dim: int, key_weight: float = 1.0):
@@ -304,8 +308,10 @@ _PULL_HINT = (f"Pass a folder that holds {WEIGHTS_NAME} and {CONFIG_NAME}, the n
 
 
 def read_artifact(folder: str | os.PathLike) -> Bases:
-    """Read and verify a bases folder (`bases_checks.read_files`) into a `Bases`."""
-    return Bases(*read_files(folder))
+    """Read and verify a bases folder (`bases_checks.read_files`) into a `Bases` whose stored tensors are read
+    again from that file when needed (`StoredTensors`)."""
+    tensors, metadata, spectra = read_files(folder)
+    return Bases(StoredTensors(tensors, (Path(folder) / WEIGHTS_NAME).resolve()), metadata, spectra)
 
 
 def push_folder(folder: str | os.PathLike, repo_id: str, *, subfolder: str | None = None,

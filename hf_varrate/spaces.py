@@ -1,13 +1,16 @@
 """`CodingSpaces`: the tensors a model's bases are coded and read with, derived once and kept.
 
-Per layer, device and coding space, one fp32 copy of the basis the layer codes with (balance='rms' and
-key_weight scale the value half: `codec.balance`; unscaled, the stored basis in fp32), with its half scales and
-singular values (per-layer budgets). Attention over the codes reads that copy with each head's key dims in
-RoPE-pair order (`codec.attend.paired_columns`): at the first read the copy is reordered in place of the one
-kept, and coding derives the natural order from it when it needs it (a permutation: the same numbers). So a
-model's bases cost the stored tensors plus one fp32 copy per layer and device, not one per use. Reached through
-a `Bases` (`bases.spaces`) and shared by every `Bases` of the same content (two caches loading the same folder
-make one set of copies per device, held while any of them lives), and `nbytes` counts them.
+Per layer, device and coding space, one copy of the basis the layer codes with, in the stored tensor's dtype
+(fp16 for shipped bases; the matmuls convert it, blocks at a time, to the dtype they compute in): balance='rms'
+and key_weight scale the value half (`codec.balance`, derived in fp64 and rounded once); unscaled, the stored
+basis itself. With it, its half scales and singular values (per-layer budgets). Attention over the codes reads
+that copy with each head's key dims in RoPE-pair order (`codec.attend.paired_columns`): at the first read the
+copy is reordered in place of the one kept, and coding derives the natural order from it when it needs it (a
+permutation: the same numbers). Once a layer's copy exists, bases read from a file let the stored tensor go
+(`stored.StoredTensors.release`; read again from the file when needed). So a model's bases cost one
+half-precision copy per layer and device, not the stored tensors plus fp32 copies. Reached through a `Bases`
+(`bases.spaces`) and shared by every `Bases` of the same content (two caches loading the same folder make one
+set of copies per device, held while any of them lives), and `nbytes` counts them.
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ from .errors import BasesError
 
 
 class CodingCopy(NamedTuple):
-    """One layer's coding basis [R, D] fp32 on one device, its half scales [D] (None: unscaled) and the head dim
-    its key columns are paired for (None: in the stored order)."""
+    """One layer's coding basis [R, D] on one device (in the stored dtype), its half scales [D] (None: unscaled)
+    and the head dim its key columns are paired for (None: in the stored order)."""
 
     basis: torch.Tensor
     scales: torch.Tensor | None
@@ -77,14 +80,14 @@ class CodingSpaces:
         return self._copies
 
     def basis(self, layer_idx: int, device=None) -> torch.Tensor:
-        """fp32 [R, D] on `device`, in the stored order (the stored tensor itself while it is fp32 on `device` and
-        no read has reordered the kept copy)."""
+        """[R, D] on `device` in the stored dtype and order (the stored tensor itself while it is on `device` and no
+        read has reordered the kept copy)."""
         return self.coding_basis(layer_idx, "none", device)[0]
 
     def _upload(self, layer_idx: int, device: torch.device) -> torch.Tensor:
         if layer_idx not in self.bases.tensors:
             raise BasesError(f"bases have no tensor for layer {layer_idx}; they cover {sorted(self.bases.tensors)}")
-        return self.bases.tensors[layer_idx].to(device=device, dtype=torch.float32).contiguous()
+        return self.bases.tensors[layer_idx].to(device=device).contiguous()
 
     def attention_basis(self, layer_idx: int, balance: str, device, heads: int, dim: int,
                         key_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -109,14 +112,14 @@ class CodingSpaces:
     def nbytes(self) -> int:
         """Bytes of every tensor these bases hold: the stored ones and the copies made for coding and reading
         (per device and coding space). Shared by every cache built on them: a per-model cost."""
-        held = [*self.bases.tensors.values(), *self.bases.spectra.values(), *self.copies.balanced_spectra.values(),
+        held = [*self.bases.tensors.resident(), *self.bases.spectra.values(), *self.copies.balanced_spectra.values(),
                 *(t for copy in self.copies.coding.values() for t in copy[:2] if t is not None)]
         return tensor_bytes(*{id(t): t for t in held}.values())  # identity bases share one tensor
 
     def coding_basis(self, layer_idx: int, balance: str, device=None,
                      key_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The basis [R, D] fp32 a layer codes with and its half scales [D] (None: unscaled, the paper's z_t);
-        balance='rms' or a key_weight other than 1 derives them once per layer and device
+        """The basis [R, D] a layer codes with (stored dtype) and its half scales [D] fp32 (None: unscaled, the
+        paper's z_t); balance='rms' or a key_weight other than 1 derives them once per layer and device
         (`codec.balance.balanced_basis`). In the stored column order: once attention has read the layer, a
         reordered copy of the one kept (not kept itself)."""
         _, copy = self._coding_copy(layer_idx, balance, device, key_weight)
@@ -133,6 +136,7 @@ class CodingSpaces:
             basis = self._upload(layer_idx, device)
             if balance == "none" and key_weight == 1.0:
                 self.copies.coding[key] = CodingCopy(basis, None, None)
+                self.bases.tensors.release(layer_idx)  # the copy holds it (elsewhere: read again if asked)
                 return key, self.copies.coding[key]
             spectrum = self.bases.spectrum(layer_idx)
             if spectrum is None:
@@ -141,9 +145,10 @@ class CodingSpaces:
                     f"and these have none for layer {layer_idx}; recalibrate them with this version of hf_varrate "
                     f"(hf-varrate calibrate ...) or use balance='none'"
                 )
-            balanced, scales, singular = balanced_basis(basis, spectrum, balance, key_weight)
-            self.copies.coding[key] = CodingCopy(balanced, scales, None)
+            balanced, scales, singular = balanced_basis(basis.float(), spectrum, balance, key_weight)
+            self.copies.coding[key] = CodingCopy(balanced.to(basis.dtype), scales, None)
             self.copies.balanced_spectra[key[:1] + key[2:]] = singular
+        self.bases.tensors.release(layer_idx)  # the copy codes from now on (even one another Bases made)
         return key, self.copies.coding[key]
 
     def coding_energies(self, balance: str, key_weight: float = 1.0) -> tuple[torch.Tensor, dict[int, int]]:

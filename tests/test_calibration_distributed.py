@@ -53,7 +53,7 @@ def _worker(rank: int, port: int, out: str, texts: str) -> None:
     try:
         bases = calibrate(model, token_contexts(), progress=False)
         assert dist.is_initialized() and dist.get_backend() == "gloo"
-        torch.save({"tensors": bases.tensors, "meta": bases.metadata}, os.path.join(out, f"api-{rank}.pt"))
+        torch.save({"tensors": dict(bases.tensors), "meta": bases.metadata}, os.path.join(out, f"api-{rank}.pt"))
         saver = Bases.save_pretrained
 
         def recording_save(self, path, **kwargs):

@@ -97,3 +97,38 @@ def test_bases_bytes_count_every_copy_once_and_a_balanced_cache_keeps_no_unscale
     assert bases.nbytes() == stored + len(bases.tensors) * per_layer
     assert all(torch.equal(bases.coding_basis(i, "rms", "cpu")[0], natural[i]) for i in bases.tensors)
 
+
+
+def test_bases_read_from_a_file_hold_one_half_precision_copy_and_read_the_stored_tensor_again(tmp_path, tiny_llama):
+    """Loaded bases (fp16 on disk) code with one fp16 copy per layer and let the stored tensor go: bases_bytes is
+    that copy, its scales and spectra, not the stored tensors beside fp32 copies. The stored tensor comes back
+    from the file, bit for bit, when asked; a file changed or removed since the load is a BasesError."""
+    from hf_varrate import Bases, VarRateCache, bound
+    from hf_varrate.errors import BasesError
+
+    calibrated_like(tiny_llama.config).save_pretrained(tmp_path / "bases")
+    bases = Bases.from_pretrained(tmp_path / "bases")
+    stored = {i: bases.tensors[i].clone() for i in bases.tensors}
+    assert all(t.dtype == torch.float16 for t in stored.values())
+    with bound(tiny_llama), torch.no_grad():
+        cache = VarRateCache(bases, model=tiny_llama, balance="rms", budget=0.4, stride=8, window=16, r_min=2)
+        tiny_llama(input_ids=torch.randint(2, 128, (1, 300)), past_key_values=cache)
+        tiny_llama(input_ids=torch.randint(2, 128, (1, 1)), past_key_values=cache)  # reads the codes
+    assert bases.tensors.resident() == []  # every layer codes from its copy
+    rank, width = stored[0].shape
+    per_layer = rank * width * 2 + (width + rank + rank) * 4  # fp16 copy; fp32 scales, singular values, spectrum
+    assert cache.footprint().bases_bytes == bases.nbytes() == len(stored) * per_layer
+    assert all(bases.coding_basis(i, "rms", "cpu")[0].dtype == torch.float16 for i in stored)
+    assert all(torch.equal(bases.tensors[i], stored[i]) for i in stored)  # read again, verified
+    assert bases.tensors.resident() == []  # and not kept
+    from safetensors.torch import load_file, save_file
+
+    file = tmp_path / "bases" / "bases.safetensors"
+    tensors = load_file(file)
+    tensors["layers.0"][0] *= -1  # still a valid basis, but not the one loaded
+    save_file(tensors, file)
+    with pytest.raises(BasesError, match="layer 0's basis .* changed after the bases were loaded"):
+        bases.tensors[0]
+    file.unlink()
+    with pytest.raises(BasesError, match="moved or removed"):
+        bases.tensors[0]

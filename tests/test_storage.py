@@ -225,20 +225,24 @@ def test_the_default_one_liner_holds_the_budget_and_reads_the_codes(smollm2, mon
     assert torch.equal(tokens, materialized)
     held = sum(held_tensor_bytes(layer) for layer in cache.layers)
     assert held == cache.footprint().held_bytes <= (cache.config.budget + 0.05) * full
+    # the bases cost one fp16 copy per layer (plus scales and spectra), the stored tensors released
+    copies = len(cache.bases.tensors) * cache.bases.rank * cache.model_shape.width * 2
+    assert copies <= cache.footprint().bases_bytes <= 1.02 * copies and cache.bases.tensors.resident() == []
     assert torch.equal(generate()[0], plain)
 
 
 def test_bases_of_the_same_content_share_their_derived_copies(tiny_llama):
     """Two loads of the same bases (two caches from one folder) derive one set of copies per device, counted
     in both; bases of other content get their own."""
-    first, second = Bases.identity(tiny_llama.config), Bases.identity(tiny_llama.config)
-    for bases in (first, second):  # content no other test uses: their copies are not made yet
-        bases.tensors[0] = bases.tensors[0].roll(5, 0)
+    def edited(edit):  # identity bases with layer 0 edited: content no other test uses, no copies made yet
+        bases = Bases.identity(tiny_llama.config)
+        return Bases({i: edit(t) if i == 0 else t for i, t in bases.tensors.items()}, bases.metadata)
+
+    first, second = edited(lambda t: t.roll(5, 0)), edited(lambda t: t.roll(5, 0))
     before = second.nbytes()
     split = first.attention_basis(0, "none", "cpu", 2, 16)
     held = split[0].untyped_storage()
     assert second.attention_basis(0, "none", "cpu", 2, 16)[0].untyped_storage().data_ptr() == held.data_ptr()
     assert second.nbytes() == before + held.nbytes()  # counted by every bases sharing it
-    other = Bases.identity(tiny_llama.config)
-    other.tensors[0] = other.tensors[0].flip(0)
+    other = edited(lambda t: t.flip(0))
     assert other.attention_basis(0, "none", "cpu", 2, 16)[0].untyped_storage().data_ptr() != held.data_ptr()

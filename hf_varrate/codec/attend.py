@@ -2,7 +2,7 @@
 rebuilding its values (compact storage's fast read).
 
 Shapes: query [Hq, Q, d]; exact_keys, exact_values [H, E, d] post-RoPE; tail_keys, tail_values [H, T, d]
-(the tokens appended after the prefill); turns [S, d/2, 2] (`rope.rope_turns`); basis [R, D] fp32;
+(the tokens appended after the prefill); turns [S, d/2, 2] (`rope.rope_turns`); basis [R, D] (any float dtype);
 scores and weights [H, rep * Q, N] with the query heads that share a KV head stacked (rep = Hq / H,
 as `repeat_kv`).
 
@@ -72,7 +72,8 @@ def attend_codes(code: PromptCode, query, exact_keys, exact_values, tail_keys, t
         out = torch.matmul(p_exact, exact_values.float()) + torch.matmul(p_tail, tail_values.float())
         mixed = _mix_codes(pieces, p_coded.reshape(heads * rows, n_coded))  # [H * rows, width]
         width = mixed.shape[1]
-        values = padded_basis(basis_v, width).view(width, heads, dim).transpose(0, 1)  # [H, width, d]
+        values = padded_basis(basis_v, width).to(mixed.dtype)  # [width, H * d], as the codes are mixed
+        values = values.view(width, heads, dim).transpose(0, 1)  # [H, width, d]
         coded_values = torch.matmul(mixed.view(heads, rows, width), values)
         if value_scales is not None:  # the coded space scaled the values: divided out once, on [H, rows, d]
             coded_values.div_(value_scales.view(heads, 1, dim))

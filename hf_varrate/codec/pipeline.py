@@ -1,7 +1,7 @@
 """Algorithm 1 for one sequence of one layer: compress a prompt, and reconstruct it.
 
 Shapes: keys, values [1, H, S, d] post-RoPE (one sequence, padding already removed);
-queries [1, Hq, W, d] post-RoPE; cos, sin [1, S, d]; basis [R, D] fp32.
+queries [1, Hq, W, d] post-RoPE; cos, sin [1, S, d]; basis [R, D] (fp32 or half precision).
 
 The fast path works on the coded tokens sorted by decreasing rank (`projection.rank_order`), so
 encode and decode cost about sum(r_t) x D instead of C x R x D; where ranks are nearly equal (uniform

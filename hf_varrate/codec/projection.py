@@ -1,7 +1,8 @@
 """Encode once at full rank, truncate per token, decode (Section 3.3, Eq. 6).
 
-Shapes: residuals e [C, D] fp32, basis V [R, D] fp32 with orthonormal rows, coefficients [C, R],
-ranks [C], packed coefficients [sum(ranks)] (row-major: token 0's leading r_0, then token 1's...).
+Shapes: residuals e [C, D] fp32, basis V [R, D] with orthonormal rows (fp32, or half precision: each matmul
+converts it), coefficients [C, R], ranks [C], packed coefficients [sum(ranks)] (row-major: token 0's leading
+r_0, then token 1's...).
 """
 
 from __future__ import annotations
@@ -288,10 +289,10 @@ def encode_dense(residuals: torch.Tensor, basis: torch.Tensor, plan: DenseOrder,
 def decode_dense(means: torch.Tensor, coefs: torch.Tensor, basis: torch.Tensor, plan: DenseOrder,
                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Eq. 6: z-hat = z-bar + V^T c, in place on means [C, D] fp32; coefs [C, width], zeros past each rank."""
-    basis = padded_basis(basis, plan.width)
+    basis = padded_basis(basis, plan.width).to(dtype)
     if dtype == torch.float32:
         return means.addmm_(coefs, basis)
-    return means.add_(coefs.to(dtype) @ basis.to(dtype))  # the means stay fp32
+    return means.add_(coefs.to(dtype) @ basis)  # the means stay fp32
 
 
 def matmul_dtype(name: str, device) -> torch.dtype:
