@@ -170,27 +170,42 @@ def peak_main(args) -> None:
     env, results = common.environment(), []
     passthrough = [f"--{k}={getattr(args, k)}" for k in ("model", "dtype", "new", "threads")]
     for length in [int(n) for n in args.lengths.split(",")]:
-        for config in ("dynamic", "default"):
-            common.log(f"peak memory: {config} at {length}")
-            out = subprocess.run([sys.executable, __file__, "--peak-child", config, f"--length={length}",
-                                  *passthrough], capture_output=True, text=True, check=True)
-            results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        for repeat in range(args.repeats):  # the two interleaved, a fresh process each
+            for config in ("dynamic", "default"):
+                common.log(f"peak memory: {config} at {length} ({repeat + 1}/{args.repeats})")
+                out = subprocess.run([sys.executable, __file__, "--peak-child", config, f"--length={length}",
+                                      *passthrough], capture_output=True, text=True, check=True)
+                results.append(json.loads(out.stdout.strip().splitlines()[-1]))
     rows = []
-    for dyn, var in zip(results[::2], results[1::2]):
-        rows.append([dyn["length"], dyn["vmhwm_kib"] / 1024, var["vmhwm_kib"] / 1024, dyn["peak_above_model_mib"],
-                     var["peak_above_model_mib"], f"{var['held_bytes'] / dyn['held_bytes']:.3f}",
-                     f"{(var['held_bytes'] + var['bases_bytes']) / dyn['held_bytes']:.3f}",
-                     var["bases_bytes"] / MiB, dyn["tokens"] == var["tokens"]])
+    for length in dict.fromkeys(r["length"] for r in results):
+        dyn = [r for r in results if r["length"] == length and r["config"] == "dynamic"]
+        var = [r for r in results if r["length"] == length and r["config"] == "default"]
+        below = sum(v["vmhwm_kib"] < d["vmhwm_kib"] for d, v in zip(dyn, var))
+        rows.append([length, _spread([r["vmhwm_kib"] / 1024 for r in dyn]),
+                     _spread([r["vmhwm_kib"] / 1024 for r in var]), f"{below} of {len(var)}",
+                     _spread([r["peak_above_model_mib"] for r in dyn]),
+                     _spread([r["peak_above_model_mib"] for r in var]),
+                     f"{var[0]['held_bytes'] / dyn[0]['held_bytes']:.3f}",
+                     f"{(var[0]['held_bytes'] + var[0]['bases_bytes']) / dyn[0]['held_bytes']:.3f}",
+                     var[0]["bases_bytes"] / MiB, all(d["tokens"] == v["tokens"] for d, v in zip(dyn, var))])
     md = (f"## Peak process memory of generate, {args.model} {args.dtype}, {args.new} new tokens\n\n"
           + common.table(["tokens", "VmHWM DynamicCache MiB", "VmHWM default VarRateCache MiB",
-                          "peak above model, DynamicCache MiB", "peak above model, VarRateCache MiB",
-                          "cache tensors vs DynamicCache", "with the bases' copies", "bases + copies MiB",
-                          "same tokens"], rows)
-          + "\n\nFresh process per cell; VmHWM reset after loading and warming up the model (clear_refs), so both "
-          f"columns include the model. Load average at start {tuple(round(x, 1) for x in env['load_average'])}.\n"
+                          "VarRate's below, of the pairs", "peak above model, DynamicCache MiB",
+                          "peak above model, VarRateCache MiB", "cache tensors vs DynamicCache",
+                          "with the bases' copies", "bases + copies MiB", "same tokens"], rows)
+          + f"\n\nFresh process per cell, {args.repeats} of each, interleaved; median (min-max). VmHWM reset after "
+          "loading and warming up the model (clear_refs), so both columns include the model. Load average at start "
+          f"{tuple(round(x, 1) for x in env['load_average'])}.\n"
           f"Command: python benchmarks/bench_memory.py --peak --lengths {args.lengths} --new {args.new} "
-          f"--out {args.out}\n")
+          f"--repeats {args.repeats} --out {args.out}\n")
     common.write_results(args.out, {"env": env, "args": vars(args), "results": results}, md)
+
+
+def _spread(values: list[float]) -> str:
+    """median (min-max) of one cell's repeats; the value alone for one."""
+    ordered = sorted(values)
+    median = ordered[len(ordered) // 2] if len(ordered) % 2 else sum(ordered[len(ordered) // 2 - 1:][:2]) / 2
+    return f"{median:.0f}" if len(ordered) == 1 else f"{median:.0f} ({ordered[0]:.0f}-{ordered[-1]:.0f})"
 
 
 def main(argv=None):
@@ -206,6 +221,7 @@ def main(argv=None):
     parser.add_argument("--peak", action="store_true", help="peak RSS (VmHWM) of generate: DynamicCache vs default")
     parser.add_argument("--lengths", default="2048,4096,8192", help="with --peak")
     parser.add_argument("--peak-child", help=argparse.SUPPRESS)
+    parser.add_argument("--repeats", type=int, default=1, help="with --peak: fresh processes per cell (medians)")
     parser.add_argument("--out", default="memory")
     args = parser.parse_args(argv)
     if args.child:
