@@ -118,6 +118,7 @@ def main(argv=None, prog: str | None = None) -> int:
         model(torch.tensor([doc_ids[:64]]))
     full = DynamicCache(config=model.config)
     t_full = prefill(model, full, doc_ids)
+
     def varrate_cache():
         return VarRateCache.from_pretrained(args.bases or args.model, model=model, preset=args.preset,
                                             budget=args.budget, budget_dtype=args.budget_dtype, storage=args.storage)

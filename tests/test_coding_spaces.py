@@ -98,11 +98,12 @@ def test_bases_bytes_count_every_copy_once_and_a_balanced_cache_keeps_no_unscale
     assert all(torch.equal(bases.coding_basis(i, "rms", "cpu")[0], natural[i]) for i in bases.tensors)
 
 
-
 def test_bases_read_from_a_file_hold_one_half_precision_copy_and_read_the_stored_tensor_again(tmp_path, tiny_llama):
     """Loaded bases (fp16 on disk) code with one fp16 copy per layer and let the stored tensor go: bases_bytes is
     that copy, its scales and spectra, not the stored tensors beside fp32 copies. The stored tensor comes back
     from the file, bit for bit, when asked; a file changed or removed since the load is a BasesError."""
+    from safetensors.torch import load_file, save_file
+
     from hf_varrate import Bases, VarRateCache, bound
     from hf_varrate.errors import BasesError
 
@@ -121,8 +122,6 @@ def test_bases_read_from_a_file_hold_one_half_precision_copy_and_read_the_stored
     assert all(bases.coding_basis(i, "rms", "cpu")[0].dtype == torch.float16 for i in stored)
     assert all(torch.equal(bases.tensors[i], stored[i]) for i in stored)  # read again, verified
     assert bases.tensors.resident() == []  # and not kept
-    from safetensors.torch import load_file, save_file
-
     file = tmp_path / "bases" / "bases.safetensors"
     tensors = load_file(file)
     tensors["layers.0"][0] *= -1  # still a valid basis, but not the one loaded
