@@ -66,8 +66,8 @@ class StoredTensors(Mapping):
     def _read(self, layer_idx: int) -> torch.Tensor:
         from safetensors import safe_open
 
-        reload = (f"load the bases again (Bases.from_pretrained / VarRateCache.from_pretrained), which reads and "
-                  f"verifies the folder")
+        reload = ("load the bases again (Bases.from_pretrained / VarRateCache.from_pretrained), which reads and "
+                  "verifies the folder")
         try:
             with safe_open(str(self.file), framework="pt") as handle:
                 tensor = handle.get_tensor(f"layers.{layer_idx}")
