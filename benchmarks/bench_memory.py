@@ -206,9 +206,8 @@ def peak_main(args) -> None:
 
 def _spread(values: list[float]) -> str:
     """median (min-max) of one cell's repeats; the value alone for one."""
-    ordered = sorted(values)
-    median = ordered[len(ordered) // 2] if len(ordered) % 2 else sum(ordered[len(ordered) // 2 - 1:][:2]) / 2
-    return f"{median:.0f}" if len(ordered) == 1 else f"{median:.0f} ({ordered[0]:.0f}-{ordered[-1]:.0f})"
+    cell = common.summary(values)
+    return f"{cell['median']:.0f}" if cell["n"] == 1 else f"{cell['median']:.0f} ({cell['min']:.0f}-{cell['max']:.0f})"
 
 
 def main(argv=None):

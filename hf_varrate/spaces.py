@@ -26,6 +26,7 @@ from .codec.attend import paired_columns
 from .codec.balance import balanced_basis
 from .codec.layer_budget import energy_shares
 from .errors import BasesError
+from .stored import tensor_digest
 
 
 class CodingCopy(NamedTuple):
@@ -51,13 +52,13 @@ _SHARED: weakref.WeakValueDictionary[str, DerivedCopies] = weakref.WeakValueDict
 
 
 def shared_copies(bases) -> DerivedCopies:
-    """The copies for bases of this content (their stored tensors and spectra, hashed): made once, shared."""
+    """The copies for bases of this content (their stored tensors' digests, taken once by `StoredTensors`, and
+    their spectra, hashed): made once, shared."""
     digest = hashlib.sha256()
-    for name, group in (("basis", bases.tensors), ("spectrum", bases.spectra)):
-        for i in sorted(group):
-            t = group[i].detach().cpu().contiguous()
-            digest.update(f"{name}{i}{t.dtype}{tuple(t.shape)}".encode())
-            digest.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    for i in sorted(bases.tensors):
+        digest.update(f"basis{i}{bases.tensors.digest(i)}".encode())
+    for i in sorted(bases.spectra):
+        digest.update(f"spectrum{i}{tensor_digest(bases.spectra[i])}".encode())
     key = digest.hexdigest()
     copies = _SHARED.get(key)
     if copies is None:
@@ -135,21 +136,26 @@ class CodingSpaces:
         if key not in self.copies.coding:
             basis = self._upload(layer_idx, device)
             if balance == "none" and key_weight == 1.0:
-                self.copies.coding[key] = CodingCopy(basis, None, None)
-                self.bases.tensors.release(layer_idx)  # the copy holds it (elsewhere: read again if asked)
-                return key, self.copies.coding[key]
-            spectrum = self.bases.spectrum(layer_idx)
-            if spectrum is None:
-                raise ValueError(
-                    f"balance={balance!r} needs bases that carry their calibration spectrum (tensors spectrum.<i>), "
-                    f"and these have none for layer {layer_idx}; recalibrate them with this version of hf_varrate "
-                    f"(hf-varrate calibrate ...) or use balance='none'"
-                )
-            balanced, scales, singular = balanced_basis(basis.float(), spectrum, balance, key_weight)
-            self.copies.coding[key] = CodingCopy(balanced.to(basis.dtype), scales, None)
-            self.copies.balanced_spectra[key[:1] + key[2:]] = singular
+                self.copies.coding[key] = CodingCopy(basis, None, None)  # the stored tensor itself where it is
+            else:
+                self.copies.coding[key] = self._balanced_copy(key, basis)
         self.bases.tensors.release(layer_idx)  # the copy codes from now on (even one another Bases made)
         return key, self.copies.coding[key]
+
+    def _balanced_copy(self, key: tuple, basis: torch.Tensor) -> CodingCopy:
+        """The scaled space's basis (`codec.balance.balanced_basis`, in fp64) rounded to `basis`'s dtype; keeps its
+        singular values."""
+        layer_idx, _, balance, key_weight = key
+        spectrum = self.bases.spectrum(layer_idx)
+        if spectrum is None:
+            raise ValueError(
+                f"balance={balance!r} needs bases that carry their calibration spectrum (tensors spectrum.<i>), "
+                f"and these have none for layer {layer_idx}; recalibrate them with this version of hf_varrate "
+                f"(hf-varrate calibrate ...) or use balance='none'"
+            )
+        balanced, scales, singular = balanced_basis(basis.float(), spectrum, balance, key_weight)
+        self.copies.balanced_spectra[key[:1] + key[2:]] = singular
+        return CodingCopy(balanced.to(basis.dtype), scales, None)
 
     def coding_energies(self, balance: str, key_weight: float = 1.0) -> tuple[torch.Tensor, dict[int, int]]:
         """(energies [L, R] of every compressed layer's coding space, {layer index: row}) for per-layer

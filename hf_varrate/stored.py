@@ -35,13 +35,20 @@ class StoredTensors(Mapping):
         self._held = {int(i): t for i, t in tensors.items()}
         self._layers = sorted(self._held)
         self.file = Path(file) if file is not None else None
+        # taken now where a layer may be released (its file then re-checked against it), else when first asked
         self._digests = {i: tensor_digest(t) for i, t in self._held.items()} if self.file is not None else {}
+
+    def digest(self, layer_idx: int) -> str:
+        """`tensor_digest` of layer `layer_idx`'s stored tensor, taken once (never re-reading a released one)."""
+        if layer_idx not in self._digests:
+            self._digests[layer_idx] = tensor_digest(self._held[layer_idx])
+        return self._digests[layer_idx]
 
     def __getitem__(self, layer_idx: int) -> torch.Tensor:
         held = self._held.get(layer_idx)
         if held is not None:
             return held
-        if layer_idx not in self._digests:
+        if self.file is None or layer_idx not in self._digests:
             raise KeyError(layer_idx)
         return self._read(layer_idx)
 
