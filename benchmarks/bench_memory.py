@@ -16,7 +16,8 @@ attention implementation (compact layers attend over their codes instead of rebu
 transformers' own DynamicCache (`dynamic`) against `past_key_values=VarRateCache.from_pretrained(name)`
 (`default`: no other argument, so no `model=`), each in a fresh subprocess per length, reading the
 process's peak resident memory (`VmHWM` in /proc/self/status) reset after the model is loaded and warmed
-up (`clear_refs`), next to every byte the cache's tensors hold after decoding. `--repeats N` runs each cell N
+up (`clear_refs`), next to every byte the cache's tensors hold after decoding (`--peak-configs` adds
+`held-exactly`: the one-liner holding its prompt in the model's dtype until coding, `hold_dtype="model"`). `--repeats N` runs each cell N
 times, interleaved, and reports medians: with glibc's default dynamic mmap threshold the same run's peak moves
 by up to 200 MiB between processes; `MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=131072` in the
 environment makes it repeat within 1 MiB (docs/benchmarks.md).
@@ -152,7 +153,9 @@ def peak_child(config: str, args) -> dict:
     with open("/proc/self/clear_refs", "w") as f:  # VmHWM restarts from the RSS now (the model loaded)
         f.write("5")
     before = vm_kib("VmRSS")
-    kwargs = {} if config == "dynamic" else {"past_key_values": VarRateCache.from_pretrained(args.model)}
+    settings = {"default": {}, "held-exactly": {"hold_dtype": "model"}}  # the latter: the prompt held in fp32
+    kwargs = {} if config == "dynamic" else {"past_key_values": VarRateCache.from_pretrained(args.model,
+                                                                                           **settings[config])}
     with torch.no_grad():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=args.new, do_sample=False,
                              return_dict_in_generate=True, **kwargs)
@@ -174,17 +177,18 @@ def peak_main(args) -> None:
     passthrough = [f"--{k}={getattr(args, k)}" for k in ("model", "dtype", "new", "threads")]
     for length in [int(n) for n in args.lengths.split(",")]:
         for repeat in range(args.repeats):  # the two interleaved, a fresh process each
-            for config in ("dynamic", "default"):
+            for config in args.peak_configs.split(","):
                 common.log(f"peak memory: {config} at {length} ({repeat + 1}/{args.repeats})")
                 out = subprocess.run([sys.executable, __file__, "--peak-child", config, f"--length={length}",
                                       *passthrough], capture_output=True, text=True, check=True)
                 results.append(json.loads(out.stdout.strip().splitlines()[-1]))
     rows = []
-    for length in dict.fromkeys(r["length"] for r in results):
+    cells = dict.fromkeys((r["length"], r["config"]) for r in results if r["config"] != "dynamic")
+    for length, name in cells:
         dyn = [r for r in results if r["length"] == length and r["config"] == "dynamic"]
-        var = [r for r in results if r["length"] == length and r["config"] == "default"]
+        var = [r for r in results if r["length"] == length and r["config"] == name]
         below = sum(v["vmhwm_kib"] < d["vmhwm_kib"] for d, v in zip(dyn, var))
-        rows.append([length, _spread([r["vmhwm_kib"] / 1024 for r in dyn]),
+        rows.append([length, name, _spread([r["vmhwm_kib"] / 1024 for r in dyn]),
                      _spread([r["vmhwm_kib"] / 1024 for r in var]), f"{below} of {len(var)}",
                      _spread([r["peak_above_model_mib"] for r in dyn]),
                      _spread([r["peak_above_model_mib"] for r in var]),
@@ -192,7 +196,7 @@ def peak_main(args) -> None:
                      f"{(var[0]['held_bytes'] + var[0]['bases_bytes']) / dyn[0]['held_bytes']:.3f}",
                      var[0]["bases_bytes"] / MiB, all(d["tokens"] == v["tokens"] for d, v in zip(dyn, var))])
     md = (f"## Peak process memory of generate, {args.model} {args.dtype}, {args.new} new tokens\n\n"
-          + common.table(["tokens", "VmHWM DynamicCache MiB", "VmHWM default VarRateCache MiB",
+          + common.table(["tokens", "VarRateCache", "VmHWM DynamicCache MiB", "VmHWM VarRateCache MiB",
                           "VarRate's below, of the pairs", "peak above model, DynamicCache MiB",
                           "peak above model, VarRateCache MiB", "cache tensors vs DynamicCache",
                           "with the bases' copies", "bases + copies MiB", "same tokens"], rows)
@@ -200,7 +204,7 @@ def peak_main(args) -> None:
           "loading and warming up the model (clear_refs), so both columns include the model. Load average at start "
           f"{tuple(round(x, 1) for x in env['load_average'])}.\n"
           f"Command: python benchmarks/bench_memory.py --peak --lengths {args.lengths} --new {args.new} "
-          f"--repeats {args.repeats} --out {args.out}\n")
+          f"--repeats {args.repeats} --peak-configs {args.peak_configs} --out {args.out}\n")
     common.write_results(args.out, {"env": env, "args": vars(args), "results": results}, md)
 
 
@@ -223,6 +227,9 @@ def main(argv=None):
     parser.add_argument("--peak", action="store_true", help="peak RSS (VmHWM) of generate: DynamicCache vs default")
     parser.add_argument("--lengths", default="2048,4096,8192", help="with --peak")
     parser.add_argument("--peak-child", help=argparse.SUPPRESS)
+    parser.add_argument("--peak-configs", default="dynamic,default",
+                        help="with --peak: 'dynamic' (transformers' cache, needed), 'default' (the one-liner), "
+                        "'held-exactly' (the one-liner with hold_dtype='model': the prompt held in the model's dtype)")
     parser.add_argument("--repeats", type=int, default=1, help="with --peak: fresh processes per cell (medians)")
     parser.add_argument("--out", default="memory")
     args = parser.parse_args(argv)

@@ -210,7 +210,7 @@ class VarRateCache(Cache):
         self._warn_if_stored_exactly(layer)
 
     def _warn_if_stored_exactly(self, layer: VarRateLayer) -> None:
-        """Once per cache: a prompt the budget could not compress was stored exactly (nothing lost)."""
+        """Once per cache: a prompt the budget could not compress was stored as held (every token kept)."""
         if self.config.budget >= 1.0 or self._warned_exact or not any(map(_over_budget, layer.codes)):
             return  # budget 1.0 means: keep everything
         self._warned_exact = True
@@ -218,7 +218,7 @@ class VarRateCache(Cache):
         warnings.warn(
             f"budget={self.config.budget} cannot cover the exact set (stride {self.config.stride}, window "
             f"{self.config.window}) plus r_min={self.config.r_min} for every coded token of this prompt, so "
-            f"the prompt is stored exactly (nothing lost; see cache.footprint()). "
+            f"the prompt is stored as held (every token kept; see hold_dtype and cache.footprint()). "
             f"{_compress_advice(self.config, seq_len)}", VarRateWarning, stacklevel=4)
 
     def set_storage(self, storage: str) -> VarRateCache:

@@ -103,6 +103,16 @@ class VarRateConfig:
             "paper does: 1.15x a DynamicCache's bytes, fastest decoding)."
         },
     )
+    hold_dtype: str = field(
+        default="auto",
+        metadata={"group": "runtime",
+            "help": "How a prompt is held from its prefill until it is coded: 'auto' in float16 when the model "
+            "computes in float32 (e.g. on CPU; half the K/V bytes at the prefill's peak; its forward attends to "
+            "its own tokens exactly, and what is coded, exact tokens included, carries fp16 rounding, ~0.05%), "
+            "else in the model's dtype; 'model' always in the model's dtype (a float32 model's exact tokens "
+            "then stay bit for bit). A layer whose K/V exceed float16's range is held in the model's dtype."
+        },
+    )
     min_turn_tokens: int | None = field(
         default=256,
         metadata={"group": "runtime",

@@ -12,6 +12,7 @@ from .signals import SIGNALS
 GROUPS = ("paper", "beyond", "runtime", "developer")
 ALLOCATIONS = ("waterfill", "topk")
 STORAGES = ("materialized", "compact")
+HOLD_DTYPES = ("auto", "model")
 IMPLEMENTATIONS = ("fast", "reference")
 COEF_BITS = (None, 3, 4, 8)
 QUANTIZED_BUDGETS = ("same_ranks", "same_bytes")
@@ -49,6 +50,7 @@ def check_config(config) -> None:
     check_choice("signal", config.signal, tuple(SIGNALS))
     check_choice("allocation", config.allocation, ALLOCATIONS)
     check_choice("storage", config.storage, STORAGES)
+    check_choice("hold_dtype", config.hold_dtype, HOLD_DTYPES)
     if config.coef_bits is not None:
         check_int(config, "coef_bits", config.coef_bits, 1)
     check_choice("coef_bits", config.coef_bits, COEF_BITS)

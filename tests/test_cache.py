@@ -53,7 +53,7 @@ def test_compression_runs_and_meets_the_budget(tiny_llama):
 def test_prefill_attends_exact_kv_and_later_reads_see_the_reconstruction(tiny_llama):
     ids = prompt(tiny_llama, 400)
     reference = DynamicCache(config=tiny_llama.config)
-    cache = make_cache(tiny_llama, budget=0.3)
+    cache = make_cache(tiny_llama, budget=0.3, hold_dtype="model")  # held bit for bit (tests/test_held.py: 'auto')
     with torch.no_grad():
         exact = tiny_llama(ids, past_key_values=reference).logits
         compressed = tiny_llama(ids, past_key_values=cache).logits

@@ -70,7 +70,8 @@ def test_calibration_residuals_are_what_the_cache_codes(tiny_llama):
     equal the residuals calibration collects on the same prompt."""
     ids = token_contexts(1, 400)[0]
     residual = collect_residuals(tiny_llama, [ids], [0, 1])
-    cache = VarRateCache(Bases.identity(tiny_llama.config), model_config=tiny_llama.config, budget=0.5)
+    cache = VarRateCache(Bases.identity(tiny_llama.config), model_config=tiny_llama.config, budget=0.5,
+                         hold_dtype="model")  # calibration reads the model's float32 K/V
     try:
         bind(tiny_llama)
         with torch.no_grad():

@@ -1,15 +1,14 @@
 """`VarRateLayer`: what both storage modes of a full-attention layer share, the prefill above all.
 
-Orchestration only; the arithmetic is in `hf_varrate.codec`. The prompt is what arrives in
-multi-token forwards while the layer is empty (one prefill, or a chunked prefill's chunks): it is held
-exactly, and its forwards attend to it exactly, until it is complete: at the first one-token forward
-(decoding), or when the cache is asked (`VarRateCache.compress`, and what reads or copies the codes).
-Then the layer codes it as one prompt (`finish_prompt`). A long later turn is coded the same way, as a
-segment of its own (`hf_varrate.layers.turns`); tokens decoded one at a time are stored exactly.
-How the coded prompt is held is the subclass's one job (`MaterializedLayer`, `CompactLayer`): `_store`
-when it is coded, `_append` afterwards, `read`, `exact_tokens`, `footprint` and `crop`. A cache switches
-storage by swapping layer objects (`from_layer`); a saved cache's layers round-trip through
-`to_tensors` / `from_tensors`.
+Orchestration only; the arithmetic is in `hf_varrate.codec`. The prompt is what arrives in multi-token
+forwards while the layer is empty (one prefill, or a chunked prefill's chunks): it is held (`layers.held`:
+a float32 model's in float16) until it is complete: at the first one-token forward (decoding), or when the
+cache is asked (`VarRateCache.compress`, and what reads or copies the codes). Then the layer codes it as
+one prompt (`finish_prompt`). A long later turn is coded the same way, as a segment of its own
+(`hf_varrate.layers.turns`); tokens decoded one at a time are stored exactly. How the coded prompt is held
+is the subclass's one job (`MaterializedLayer`, `CompactLayer`): `_store` when it is coded, `_append`
+afterwards, `read`, `exact_tokens`, `footprint` and `crop`. A cache switches storage by swapping layer
+objects (`from_layer`); a saved cache's layers round-trip through `to_tensors` / `from_tensors`.
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ from ..config import VarRateConfig
 from ..devices import check_arrival
 from ..errors import CacheFileError
 from ..rotary import RopeMemo, RotaryFrequencies
+from .held import append_held
 from .context import PrefillContext, crop_context, merge_contexts, select_context
 from .rows import Row, all_finite, row_inputs, slots_of
 from .turns import HeldTurn, Turn, TurnsMixin
@@ -105,6 +105,7 @@ class VarRateLayer(TurnsMixin, DynamicLayer):
         self.appended = 0  # tokens after the prompt, coded later turns included
         self.turns: list[Turn] = []  # coded later turns, in order
         self.held_turn: HeldTurn | None = None  # a later turn still arriving
+        self.model_dtype: torch.dtype | None = None  # the K/V dtype of the model's forwards (the held prompt's may differ)
 
     @classmethod
     def from_layer(cls, layer: VarRateLayer) -> VarRateLayer:
@@ -169,11 +170,11 @@ class VarRateLayer(TurnsMixin, DynamicLayer):
 
     @property
     def holding(self) -> bool:
-        """Whether a prompt is held exactly, to be coded when it is complete (`finish_prompt`)."""
+        """Whether a prompt is held, to be coded when it is complete (`finish_prompt`)."""
         return self.held_context is not None and not self.prefilled
 
     def _hold(self, keys, values):
-        """A prompt, or one chunk of it: held exactly (the prefill attends to exact K/V) until it is complete."""
+        """A prompt, or one chunk of it: held until it is complete (a forward attends to its own tokens exactly)."""
         context, self.prefill_context = self.prefill_context, None
         if context is None:
             raise RuntimeError(UNBOUND_MESSAGE)
@@ -184,7 +185,9 @@ class VarRateLayer(TurnsMixin, DynamicLayer):
             )
         held = self.held_context
         self.held_context = context if held is None else merge_contexts(held, context, self.config.obs_window)
-        return DynamicLayer.update(self, keys, values)
+        self.model_dtype = keys.dtype
+        self.keys, self.values, keys, values = append_held(self.keys, self.values, keys, values, self.config)
+        return keys, values
 
     def finish_prompt(self) -> None:
         """Code the held prompt: every multi-token forward since the layer was empty, as if it had come in one
@@ -192,7 +195,7 @@ class VarRateLayer(TurnsMixin, DynamicLayer):
         if not self.holding:
             return
         context, self.held_context = self.held_context, None
-        keys, values = self.keys, self.values
+        keys, values = self.keys.to(self.model_dtype), self.values.to(self.model_dtype)  # held narrower, maybe
         self.prefilled = True
         self.prompt_len = self.prompt_kept = keys.shape[-2]
         rows = [row_inputs(context, b, keys, values) for b in range(keys.shape[0])]
