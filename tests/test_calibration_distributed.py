@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 
 import pytest
 import torch
@@ -105,3 +106,47 @@ def test_one_process_is_a_world_of_one(monkeypatch):
 @pytest.mark.parametrize("rank, expected", [(0, [0, 3, 6]), (1, [1, 4]), (2, [2, 5])])
 def test_contexts_are_shared_out_by_rank(rank, expected):
     assert Group(rank, 3).shard(list(range(7))) == expected
+
+
+def _failing_worker(rank: int, port: int, out: str) -> None:
+    """One process of two, where process 1's share fails: record what each one raises."""
+    os.environ.update(WORLD_SIZE=str(WORLD), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import importlib
+
+    calibration = importlib.import_module("hf_varrate.calibration.calibrate")  # the module (the package's
+    # attribute of that name is the function)
+
+    if rank == 1:
+        def broken(*args, **kwargs):
+            raise ValueError("this process's contexts could not be run")
+        calibration.accumulate = broken  # this child process only
+    model = _build_tiny(LlamaConfig(**TINY_SHAPE))
+    try:
+        calibrate(model, token_contexts(), progress=False)
+        outcome = "returned"
+    except Exception as error:
+        outcome = f"{type(error).__name__}: {error}"
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    with open(os.path.join(out, f"outcome-{rank}.txt"), "w") as f:
+        f.write(outcome)
+
+
+def test_a_failing_process_stops_every_process_instead_of_leaving_them_waiting(tmp_path):
+    """Process 1's share fails: it raises its own error, and process 0 a RuntimeError naming it, before either
+    enters the moments' all-reduce. Without that agreement process 0 waits there for the failed process:
+    until nccl's timeout, or (gloo, once process 1 has exited) to an opaque 'Connection closed by peer'."""
+    context = mp.start_processes(_failing_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=False,
+                                 start_method="spawn")
+    deadline = time.monotonic() + 300
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail("process 0 was left waiting for the failed process 1")
+    outcomes = [(tmp_path / f"outcome-{rank}.txt").read_text() for rank in range(WORLD)]
+    assert outcomes[1] == "ValueError: this process's contexts could not be run"  # its own error
+    assert outcomes[0].startswith("RuntimeError: calibration failed on process(es) [1] of 2")

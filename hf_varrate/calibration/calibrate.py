@@ -21,7 +21,7 @@ import torch
 from ..architecture import check_compressible, describe
 from ..bases import Bases, layout_metadata
 from ..config import VarRateConfig
-from .distributed import Group, broadcast_components, current_group, reduce_moments
+from .distributed import Group, all_or_none, broadcast_components, current_group, reduce_moments
 from .collect import ResidualSettings, run_contexts
 from .pca import SecondMoments
 
@@ -51,10 +51,11 @@ def calibrate(model, contexts: list[torch.Tensor], *, rank: int | None = None, c
     device = next(model.parameters()).device
     group = current_group(device) if distributed else Group()
     start = time.perf_counter()
-    moments = accumulate(model, group.shard(contexts), shape, config, progress and group.rank == 0)
+    moments = all_or_none(group, lambda: accumulate(model, group.shard(contexts), shape, config,
+                                                    progress and group.rank == 0))
     if group.active:
         reduce_moments(moments)
-    bases, singular = moments.components(rank)
+    bases, singular = all_or_none(group, lambda: moments.components(rank))
     if group.active:
         broadcast_components(bases, singular)
     seconds = time.perf_counter() - start

@@ -5,7 +5,8 @@ process runs the model on `contexts[rank::world_size]`; the fp64 second moments 
 summed over processes (all-reduce) before the eigen-decomposition, and rank 0's eigenvectors are
 broadcast, so every process returns bit for bit the same `Bases`. Only rank 0 writes files (the command
 line checks `is_main_process`). The sum of moments is the moment of all residuals, so N processes give
-the bases one process gives, up to the order of fp64 additions.
+the bases one process gives, up to the order of fp64 additions. A process that fails stops every process
+(`all_or_none`), rather than leaving them waiting in a collective.
 
 A process group that is already initialized (accelerate, or the caller's own `init_process_group`) is
 used as it is; otherwise one is initialized when torchrun's variables say there is more than one
@@ -15,7 +16,9 @@ process (WORLD_SIZE > 1, with RANK and MASTER_ADDR): gloo for a model on CPU, nc
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -23,6 +26,7 @@ import torch.distributed as dist
 from .pca import SecondMoments
 
 LAUNCH_VARIABLES = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,28 @@ def local_rank() -> int:
 def is_main_process() -> bool:
     """Rank 0, or the only process: the one that writes files and prints."""
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def all_or_none(group: Group, step: Callable[[], T]) -> T:
+    """`step()` on every process of `group`, then agree that all finished before any goes on: a process
+    whose step raised re-raises, and the others raise a RuntimeError naming it, instead of waiting for it in
+    the next collective (gloo's and nccl's default timeouts are 30 minutes and more)."""
+    if not group.active:
+        return step()
+    result, failure = None, None
+    try:
+        result = step()
+    except Exception as error:  # raised below, once every process knows
+        failure = error
+    flags = [torch.zeros(1, dtype=torch.int64, device=_collective_device()) for _ in range(group.world_size)]
+    dist.all_gather(flags, torch.tensor([int(failure is not None)], dtype=torch.int64, device=flags[0].device))
+    failed = [rank for rank, flag in enumerate(flags) if int(flag)]
+    if failure is not None:
+        raise failure
+    if failed:
+        raise RuntimeError(f"calibration failed on process(es) {failed} of {group.world_size} (their own error is "
+                           f"in their output); process {group.rank} stops too instead of waiting for them")
+    return result
 
 
 def reduce_moments(moments: SecondMoments) -> None:
