@@ -25,8 +25,8 @@ from ..config import VarRateConfig
 from ..devices import check_arrival
 from ..errors import CacheFileError
 from ..rotary import RopeMemo, RotaryFrequencies
-from .held import append_held
 from .context import PrefillContext, crop_context, merge_contexts, select_context
+from .held import append_held
 from .rows import Row, all_finite, row_inputs, slots_of
 from .turns import HeldTurn, Turn, TurnsMixin
 
