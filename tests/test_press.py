@@ -52,7 +52,9 @@ def test_the_press_codes_the_prompt_as_a_varrate_cache_does(tiny_llama):
     press = tiny_press(tiny_llama)
     cache = prefill(tiny_llama, press, ids)
     exact = prefill(tiny_llama, kvpress.KnormPress(compression_ratio=0.0), ids)
-    reference = VarRateCache(press.bases, press.config.replace(storage="materialized"), model=tiny_llama)
+    # the press codes the K/V as the forward computes them; the cache holds them so with hold_dtype="model"
+    reference = VarRateCache(press.bases, press.config.replace(storage="materialized", hold_dtype="model"),
+                             model=tiny_llama)
     with bound(tiny_llama), torch.no_grad():
         tiny_llama.model(input_ids=ids, past_key_values=reference)
         reference.compress()
