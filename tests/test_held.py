@@ -2,6 +2,8 @@
 which halves the bytes a VarRate cache holds at the prefill's peak; `hold_dtype="model"` keeps them as the
 model computes them, bit for bit."""
 
+import math
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -9,7 +11,8 @@ from transformers import DynamicCache
 import hf_varrate
 from hf_varrate import Bases, VarRateCache, VarRateConfig
 from hf_varrate.codec import tensor_bytes
-from hf_varrate.layers.held import append_held
+from hf_varrate.layers.held import append_held as append_with_peak
+from hf_varrate.layers.rows import magnitude
 
 SMALL = dict(stride=8, window=16, obs_window=16, r_min=2)
 
@@ -68,6 +71,28 @@ def test_keys_beyond_float16_s_range_are_held_in_the_model_s_dtype_and_the_layer
     assert torch.equal(held_k[..., 10:, :], large[0])  # the overflowing chunk exactly
     held_k, held_v, _, _ = append_held(held_k, held_v, *kv(4, seed=2), VarRateConfig())
     assert held_k.dtype == torch.float32  # once widened, the layer stays wide
+
+
+def append_held(held_k, held_v, keys, values, config):
+    """`append_held` as the layer calls it, told the new tokens' largest magnitude."""
+    return append_with_peak(held_k, held_v, keys, values, config, magnitude(keys, values))
+
+
+def test_magnitude_is_the_largest_absolute_value_and_propagates_nan_and_inf():
+    keys, values = torch.tensor([[1.0, -3.0]]), torch.tensor([2.0, 0.5])
+    assert magnitude(keys, values) == 3.0
+    assert magnitude(torch.tensor([]), torch.tensor([])) == 0.0
+    assert math.isnan(magnitude(keys, torch.tensor([1.0, float("nan")])))
+    assert magnitude(torch.tensor([float("-inf")]), values) == float("inf")
+    assert magnitude(torch.tensor([70000.0], dtype=torch.float32), torch.tensor([1.0], dtype=torch.bfloat16)) == 70000
+
+
+@pytest.mark.parametrize("top,held", [(65000.0, torch.float16), (65504.0, torch.float32), (65519.0, torch.float32)])
+def test_the_float16_hold_is_taken_only_below_float16_s_largest_value(top, held):
+    keys, values = kv(4)
+    keys[0, 0, 0, 0] = -top
+    held_k, held_v, _, _ = append_held(*empty(), keys, values, VarRateConfig())
+    assert held_k.dtype == held_v.dtype == held and torch.isfinite(held_k).all()
 
 
 def held_bytes(cache):

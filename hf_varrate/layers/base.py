@@ -14,6 +14,7 @@ objects (`from_layer`); a saved cache's layers round-trip through `to_tensors` /
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +28,7 @@ from ..errors import CacheFileError
 from ..rotary import RopeMemo, RotaryFrequencies
 from .context import PrefillContext, crop_context, merge_contexts, select_context
 from .held import append_held
-from .rows import Row, all_finite, row_inputs, slots_of
+from .rows import Row, magnitude, row_inputs, slots_of
 from .turns import HeldTurn, Turn, TurnsMixin
 
 UNBOUND_MESSAGE = (
@@ -178,15 +179,14 @@ class VarRateLayer(TurnsMixin, DynamicLayer):
         context, self.prefill_context = self.prefill_context, None
         if context is None:
             raise RuntimeError(UNBOUND_MESSAGE)
-        if not (all_finite(keys) and all_finite(values)):
-            raise ValueError(
-                f"layer {self.layer_idx}: keys or values contain NaN or inf at the prefill; VarRate refuses to "
-                f"code them. Check the model's dtype (fp16 overflow?) and inputs"
-            )
+        peak = magnitude(keys, values)  # also tells `append_held` whether they fit float16
+        if not math.isfinite(peak):
+            raise ValueError(f"layer {self.layer_idx}: keys or values contain NaN or inf at the prefill; VarRate "
+                             f"refuses to code them. Check the model's dtype (fp16 overflow?) and inputs")
         held = self.held_context
         self.held_context = context if held is None else merge_contexts(held, context, self.config.obs_window)
         self.model_dtype = keys.dtype
-        self.keys, self.values, keys, values = append_held(self.keys, self.values, keys, values, self.config)
+        self.keys, self.values, keys, values = append_held(self.keys, self.values, keys, values, self.config, peak)
         return keys, values
 
     def finish_prompt(self) -> None:

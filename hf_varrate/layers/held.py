@@ -13,27 +13,26 @@ from __future__ import annotations
 
 import torch
 
-from .rows import all_finite
+FLOAT16_MAX = torch.finfo(torch.float16).max
 
 
 def append_held(held_k: torch.Tensor, held_v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                config, peak: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(held keys, held values, keys attended to, values attended to) after a prompt forward's `keys` / `values`
     [B, H, S, d] arrive at a layer holding `held_k` / `held_v` (empty before the first), under `config` (a
-    `VarRateConfig`)."""
+    `VarRateConfig`); `peak` is their largest magnitude (finite)."""
     earlier = held_k.numel() > 0
     narrowed = config.hold_dtype == "auto" and config.budget < 1.0 and keys.dtype == torch.float32
     narrow = torch.float16 if narrowed else keys.dtype
     if earlier and held_k.dtype == keys.dtype:
         narrow = keys.dtype  # an earlier chunk was held in the model's dtype: the layer stays so
-    if narrow != keys.dtype:
-        new_k, new_v = keys.to(narrow), values.to(narrow)
-        if not (all_finite(new_k) and all_finite(new_v)):  # beyond float16's range
-            narrow = keys.dtype
+    if narrow != keys.dtype and peak >= FLOAT16_MAX:  # beyond float16's range (or at its edge)
+        narrow = keys.dtype
     if narrow == keys.dtype:  # as a DynamicLayer holds them: one tensor, attended to and held
         held_k = torch.cat([held_k.to(keys.dtype), keys], dim=-2)
         held_v = torch.cat([held_v.to(values.dtype), values], dim=-2)
         return held_k, held_v, held_k, held_v
+    new_k, new_v = keys.to(narrow), values.to(narrow)
     if not earlier:
         return new_k, new_v, keys, values
     seen_k = torch.cat([held_k.to(keys.dtype), keys], dim=-2)

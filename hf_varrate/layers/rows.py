@@ -68,6 +68,8 @@ def place(target: torch.Tensor, span, rows: torch.Tensor) -> None:
         target[:, :, span] = rows
 
 
-def all_finite(tensor: torch.Tensor) -> bool:
-    """No NaN or inf in `tensor`, in two passes (amax propagates NaN) instead of isfinite's four."""
-    return tensor.numel() == 0 or bool(torch.isfinite(tensor.abs().amax()))
+def magnitude(*tensors: torch.Tensor) -> float:
+    """The largest |x| over `tensors` (NaN if any holds a NaN, inf if any an inf; 0.0 if all are empty), in two
+    passes each (amax propagates NaN) instead of isfinite's four, and one read back."""
+    peaks = [t.abs().amax().float() for t in tensors if t.numel()]
+    return float(torch.stack(peaks).amax()) if peaks else 0.0
