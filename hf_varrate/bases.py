@@ -185,14 +185,16 @@ class Bases:
         """[R, D] on `device` in the stored dtype, uploaded once per device and then kept resident."""
         return self.spaces.basis(layer_idx, device)
 
-    def coding_basis(self, layer_idx: int, balance: str, device=None, key_weight: float = 1.0):
-        """(basis [R, D] in the stored dtype, half scales [D] fp32 or None) a layer codes with:
-        `CodingSpaces.coding_basis`."""
-        return self.spaces.coding_basis(layer_idx, balance, device, key_weight)
+    def coding_basis(self, layer_idx: int, balance: str, device=None, key_weight: float = 1.0,
+                     bits: int | None = None):
+        """(basis [R, D] in the stored dtype, half scales [D] fp32 or None) a layer codes with, its copy held in
+        `bits` (8, or None: the stored dtype): `CodingSpaces.coding_basis`."""
+        return self.spaces.coding_basis(layer_idx, balance, device, key_weight, bits)
 
-    def attention_basis(self, layer_idx: int, balance: str, device, heads: int, dim: int, key_weight: float = 1.0):
+    def attention_basis(self, layer_idx: int, balance: str, device, heads: int, dim: int, key_weight: float = 1.0,
+                        bits: int | None = None):
         """The coding basis as attention over the codes reads it: `CodingSpaces.attention_basis`."""
-        return self.spaces.attention_basis(layer_idx, balance, device, heads, dim, key_weight)
+        return self.spaces.attention_basis(layer_idx, balance, device, heads, dim, key_weight, bits)
 
     def layer_share(self, layer_idx: int, config: VarRateConfig):
         """What `compress_prompt(layer_share=...)` takes for this layer: `CodingSpaces.layer_share`."""

@@ -166,6 +166,15 @@ class VarRateConfig:
                   "AVX-512 BF16, slower elsewhere); 'auto': bfloat16 where the device multiplies it natively, else "
                   "float32. Distances and salience are always fp32."},
     )
+    basis_bits: int | None = field(
+        default=8,
+        metadata={"group": "coding",
+            "help": "Hold each layer's coding basis (a per-model copy, shared by every cache on the same bases) in 8 "
+            "bits, a scale per row and half (about 1% error per basis vector, 0.01-0.15 points added to the codec's "
+            "relative K/V error; half a 16-bit basis's bytes), or None: in the stored dtype. The prompt is coded and "
+            "read with the same basis, so a saved cache keeps the setting it was coded with."
+        },
+    )
     # beyond the paper; every one is off in the paper's defaults
     balance: str = field(
         default="none",

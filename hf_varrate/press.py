@@ -142,7 +142,7 @@ class VarRatePress(BasePress):
                 f"VarRatePress first: ComposedPress([VarRatePress(...), SnapKVPress(...)])")
         cos, sin = kwargs["position_embeddings"]
         basis, scales = self.bases.coding_basis(module.layer_idx, self.config.balance, keys.device,
-                                                key_weight=self.config.key_weight)
+                                                key_weight=self.config.key_weight, bits=self.config.basis_bits)
         share = self.bases.layer_share(module.layer_idx, self.config)
         window = min(self.config.obs_window, hidden_states.shape[1])
         with torch.no_grad():

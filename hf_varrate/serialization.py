@@ -237,8 +237,9 @@ def _saved_config(meta: dict, runtime: dict, folder: Path) -> VarRateConfig:
                          f"with {name}={meta['config'].get(name)!r}), so VarRateCache.load cannot change it; it "
                          f"takes only the runtime settings {list(allowed)}. To use {name}={fixed[name]!r}, code "
                          f"the prompt again")
+    saved = {"basis_bits": None, **meta["config"]}  # a save from before basis_bits was coded with the stored basis
     try:
-        return VarRateConfig.from_dict(meta["config"], **runtime)
+        return VarRateConfig.from_dict(saved, **runtime)
     except (TypeError, ValueError) as err:
         raise CacheFileError(f"{folder / CONFIG_NAME} has an invalid config: {err}") from err
 

@@ -7,10 +7,12 @@ basis itself. With it, its half scales and singular values (per-layer budgets). 
 that copy with each head's key dims in RoPE-pair order (`codec.attend.paired_columns`): at the first read the
 copy is reordered in place of the one kept, and coding derives the natural order from it when it needs it (a
 permutation: the same numbers). Once a layer's copy exists, bases read from a file let the stored tensor go
-(`stored.StoredTensors.release`; read again from the file when needed). So a model's bases cost one
-half-precision copy per layer and device, not the stored tensors plus fp32 copies. Reached through a `Bases`
-(`bases.spaces`) and shared by every `Bases` of the same content (two caches loading the same folder make one
-set of copies per device, held while any of them lives), and `nbytes` counts them.
+(`stored.StoredTensors.release`; read again from the file when needed). The copy is held in 8 bits under the
+default `basis_bits=8` (`codec.basis_bits`; read back to the stored dtype, one layer at a time, when coding or
+attention needs it). So a model's bases cost one 8-bit copy per layer and device, not the stored tensors plus
+fp32 copies. Reached through a `Bases` (`bases.spaces`) and shared by every `Bases` of the same content (two
+caches loading the same folder make one set of copies per device, held while any of them lives), and `nbytes`
+counts them.
 """
 
 from __future__ import annotations
@@ -24,16 +26,17 @@ import torch
 from .codec import tensor_bytes
 from .codec.attend import paired_columns
 from .codec.balance import balanced_basis
+from .codec.basis_bits import Int8Basis, basis_tensors, held_basis, readable
 from .codec.layer_budget import energy_shares
 from .errors import BasesError
 from .stored import tensor_digest
 
 
 class CodingCopy(NamedTuple):
-    """One layer's coding basis [R, D] on one device (in the stored dtype), its half scales [D] (None: unscaled)
-    and the head dim its key columns are paired for (None: in the stored order)."""
+    """One layer's coding basis [R, D] on one device (in the stored dtype, or in 8 bits: `codec.basis_bits`), its
+    half scales [D] (None: unscaled) and the head dim its key columns are paired for (None: in the stored order)."""
 
-    basis: torch.Tensor
+    basis: torch.Tensor | Int8Basis
     scales: torch.Tensor | None
     paired_dim: int | None
 
@@ -42,7 +45,7 @@ class DerivedCopies:
     """The derived tensors themselves, shared by the `CodingSpaces` of equal bases (`shared_copies`)."""
 
     def __init__(self):
-        self.coding: dict[tuple, CodingCopy] = {}  # (layer, device, balance, key_weight) -> the one copy
+        self.coding: dict[tuple, CodingCopy] = {}  # (layer, device, balance, key_weight, bits) -> the one copy
         self.balanced_spectra: dict[tuple, torch.Tensor] = {}  # (layer, balance, key_weight) -> singular values
         self.energies: dict[tuple, tuple[torch.Tensor, dict[int, int]]] = {}  # (balance, key_weight) -> shares
 
@@ -83,69 +86,79 @@ class CodingSpaces:
     def basis(self, layer_idx: int, device=None) -> torch.Tensor:
         """[R, D] on `device` in the stored dtype and order (the stored tensor itself while it is on `device` and no
         read has reordered the kept copy)."""
-        return self.coding_basis(layer_idx, "none", device)[0]
+        return self.coding_basis(layer_idx, "none", device, bits=None)[0]
 
     def _upload(self, layer_idx: int, device: torch.device) -> torch.Tensor:
         if layer_idx not in self.bases.tensors:
             raise BasesError(f"bases have no tensor for layer {layer_idx}; they cover {sorted(self.bases.tensors)}")
         return self.bases.tensors[layer_idx].to(device=device).contiguous()
 
-    def attention_basis(self, layer_idx: int, balance: str, device, heads: int, dim: int,
-                        key_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def attention_basis(self, layer_idx: int, balance: str, device, heads: int, dim: int, key_weight: float = 1.0,
+                        bits: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The coding basis as attention over the codes reads it (`codec.attend.attend_codes`'s `split`): views of
-        the one copy kept per layer, coding space and device, reordered for reading at the first call."""
-        key, copy = self._coding_copy(layer_idx, balance, device, key_weight)
+        the one copy kept per layer, coding space and device (of an 8-bit copy read back), reordered for reading
+        at the first call."""
+        key, copy = self._coding_copy(layer_idx, balance, device, key_weight, bits)
         if copy.paired_dim is None:
             order = paired_columns(copy.basis.shape[1], dim, copy.basis.device)
             copy = self.copies.coding[key] = CodingCopy(copy.basis.index_select(1, order), copy.scales, dim)
         elif copy.paired_dim != dim:
             raise ValueError(f"layer {layer_idx} was read with head dim {copy.paired_dim} and now {dim}")
-        half = heads * dim
+        half, basis = heads * dim, readable(copy.basis)
         scales = None if copy.scales is None else copy.scales[half:]
-        return copy.basis[:, :half], copy.basis[:, half:], scales
+        return basis[:, :half], basis[:, half:], scales
 
     def layer_copies(self, layer_idx: int) -> dict[str, torch.Tensor]:
         """{name: tensor} of every copy derived for layer `layer_idx` (on each device it was asked for): what a
         model split across devices must find on that layer's device (`hf_varrate.devices`)."""
         return {f"coding {key} {i}": t for key, copy in self.copies.coding.items() if key[0] == layer_idx
-                for i, t in enumerate(copy[:2]) if t is not None}
+                for i, t in enumerate(self._copy_tensors(copy))}
 
     def nbytes(self) -> int:
         """Bytes of every tensor these bases hold: the stored ones and the copies made for coding and reading
         (per device and coding space). Shared by every cache built on them: a per-model cost."""
         held = [*self.bases.tensors.resident(), *self.bases.spectra.values(), *self.copies.balanced_spectra.values(),
-                *(t for copy in self.copies.coding.values() for t in copy[:2] if t is not None)]
+                *(t for copy in self.copies.coding.values() for t in self._copy_tensors(copy))]
         return tensor_bytes(*{id(t): t for t in held}.values())  # identity bases share one tensor
 
-    def coding_basis(self, layer_idx: int, balance: str, device=None,
-                     key_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def coding_basis(self, layer_idx: int, balance: str, device=None, key_weight: float = 1.0,
+                     bits: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The basis [R, D] a layer codes with (stored dtype) and its half scales [D] fp32 (None: unscaled, the
         paper's z_t); balance='rms' or a key_weight other than 1 derives them once per layer and device
-        (`codec.balance.balanced_basis`). In the stored column order: once attention has read the layer, a
-        reordered copy of the one kept (not kept itself)."""
-        _, copy = self._coding_copy(layer_idx, balance, device, key_weight)
+        (`codec.balance.balanced_basis`), and `bits=8` holds the copy in 8 bits (`codec.basis_bits`; then a
+        read-back copy). In the stored column order: once attention has read the layer, a reordered copy of the
+        one kept (not kept itself)."""
+        _, copy = self._coding_copy(layer_idx, balance, device, key_weight, bits)
+        basis = readable(copy.basis)
         if copy.paired_dim is None:
-            return copy.basis, copy.scales
-        order = paired_columns(copy.basis.shape[1], copy.paired_dim, copy.basis.device)
-        return copy.basis.index_select(1, order.argsort()), copy.scales
+            return basis, copy.scales
+        order = paired_columns(basis.shape[1], copy.paired_dim, basis.device)
+        return basis.index_select(1, order.argsort()), copy.scales
 
-    def _coding_copy(self, layer_idx: int, balance: str, device, key_weight: float) -> tuple[tuple, CodingCopy]:
-        """(key, the one copy kept for this layer, device and coding space), derived at the first call."""
+    @staticmethod
+    def _copy_tensors(copy: CodingCopy) -> list[torch.Tensor]:
+        return [*basis_tensors(copy.basis), *([] if copy.scales is None else [copy.scales])]
+
+    def _coding_copy(self, layer_idx: int, balance: str, device, key_weight: float,
+                     bits: int | None = None) -> tuple[tuple, CodingCopy]:
+        """(key, the one copy kept for this layer, device, coding space and precision), derived at the first
+        call."""
         device = torch.device(device) if device is not None else torch.device("cpu")
-        key = (layer_idx, str(device), balance, float(key_weight))
+        key = (layer_idx, str(device), balance, float(key_weight), bits)
         if key not in self.copies.coding:
             basis = self._upload(layer_idx, device)
             if balance == "none" and key_weight == 1.0:
-                self.copies.coding[key] = CodingCopy(basis, None, None)  # the stored tensor itself where it is
+                copy = CodingCopy(basis, None, None)  # the stored tensor itself where it is
             else:
-                self.copies.coding[key] = self._balanced_copy(key, basis)
+                copy = self._balanced_copy(key, basis)
+            self.copies.coding[key] = copy._replace(basis=held_basis(copy.basis, bits))
         self.bases.tensors.release(layer_idx)  # the copy codes from now on (even one another Bases made)
         return key, self.copies.coding[key]
 
     def _balanced_copy(self, key: tuple, basis: torch.Tensor) -> CodingCopy:
         """The scaled space's basis (`codec.balance.balanced_basis`, in fp64) rounded to `basis`'s dtype; keeps its
         singular values."""
-        layer_idx, _, balance, key_weight = key
+        layer_idx, _, balance, key_weight, _ = key
         spectrum = self.bases.spectrum(layer_idx)
         if spectrum is None:
             raise ValueError(
@@ -154,10 +167,11 @@ class CodingSpaces:
                 f"(hf-varrate calibrate ...) or use balance='none'"
             )
         balanced, scales, singular = balanced_basis(basis.float(), spectrum, balance, key_weight)
-        self.copies.balanced_spectra[key[:1] + key[2:]] = singular
+        self.copies.balanced_spectra[(layer_idx, balance, key_weight)] = singular
         return CodingCopy(balanced.to(basis.dtype), scales, None)
 
-    def coding_energies(self, balance: str, key_weight: float = 1.0) -> tuple[torch.Tensor, dict[int, int]]:
+    def coding_energies(self, balance: str, key_weight: float = 1.0,
+                        bits: int | None = None) -> tuple[torch.Tensor, dict[int, int]]:
         """(energies [L, R] of every compressed layer's coding space, {layer index: row}) for per-layer
         budgets (`codec.layer_budget`): the shipped spectra, or the scaled space's (`coding_basis`)."""
         if (balance, key_weight) not in self.copies.energies:
@@ -173,7 +187,7 @@ class CodingSpaces:
                 spectra = [self.bases.spectrum(i) for i in layers]
             else:
                 for i in layers:
-                    self._coding_copy(i, balance, None, key_weight)
+                    self._coding_copy(i, balance, None, key_weight, bits)  # the copy coding will use
                 spectra = [self.copies.balanced_spectra[(i, balance, float(key_weight))] for i in layers]
             self.copies.energies[(balance, key_weight)] = energy_shares(spectra), {i: row for row, i in enumerate(layers)}
         return self.copies.energies[(balance, key_weight)]
@@ -183,5 +197,5 @@ class CodingSpaces:
         ('spectrum': the coding spaces' energies and this layer's row; 'uniform': None)."""
         if config.layer_budgets == "uniform":
             return None
-        energies, rows = self.coding_energies(config.balance, config.key_weight)
+        energies, rows = self.coding_energies(config.balance, config.key_weight, config.basis_bits)
         return energies, rows[layer_idx]

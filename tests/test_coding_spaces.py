@@ -87,20 +87,21 @@ def test_bases_bytes_count_every_copy_once_and_a_balanced_cache_keeps_no_unscale
             tiny_llama(input_ids=torch.randint(2, 128, (1, 300)), past_key_values=cache)
             cache.compress()
     width, rank = bases.tensors[0].shape[1], bases.tensors[0].shape[0]
-    per_layer = (rank * width + width + rank) * 4  # the scaled basis, its scales, its singular values (fp32)
+    # the scaled basis in 8 bits with an fp32 peak per row and half; its scales and singular values (fp32)
+    per_layer = rank * width + (2 * rank + width + rank) * 4
     assert bases.nbytes() == stored + len(bases.tensors) * per_layer  # once, for both caches
     assert all(cache.footprint().bases_bytes == bases.nbytes() for cache in caches)
-    natural = {i: bases.coding_basis(i, "rms", "cpu")[0].clone() for i in bases.tensors}
+    natural = {i: bases.coding_basis(i, "rms", "cpu", bits=8)[0].clone() for i in bases.tensors}
     with bound(tiny_llama), torch.no_grad():  # decoding reads the codes: the kept copy is reordered, not copied
         for cache in caches:
             tiny_llama(input_ids=torch.randint(2, 128, (1, 1)), past_key_values=cache)
     assert bases.nbytes() == stored + len(bases.tensors) * per_layer
-    assert all(torch.equal(bases.coding_basis(i, "rms", "cpu")[0], natural[i]) for i in bases.tensors)
+    assert all(torch.equal(bases.coding_basis(i, "rms", "cpu", bits=8)[0], natural[i]) for i in bases.tensors)
 
 
-def test_bases_read_from_a_file_hold_one_half_precision_copy_and_read_the_stored_tensor_again(tmp_path, tiny_llama):
-    """Loaded bases (fp16 on disk) code with one fp16 copy per layer and let the stored tensor go: bases_bytes is
-    that copy, its scales and spectra, not the stored tensors beside fp32 copies. The stored tensor comes back
+def test_bases_read_from_a_file_hold_one_8_bit_copy_and_read_the_stored_tensor_again(tmp_path, tiny_llama):
+    """Loaded bases (fp16 on disk) code with one 8-bit copy per layer (the default `basis_bits`) and let the stored
+    tensor go: bases_bytes is that copy, its scales and spectra, not the stored tensors beside fp32 copies. The stored tensor comes back
     from the file, bit for bit, when asked; a file changed or removed since the load is a BasesError."""
     from safetensors.torch import load_file, save_file
 
@@ -117,9 +118,9 @@ def test_bases_read_from_a_file_hold_one_half_precision_copy_and_read_the_stored
         tiny_llama(input_ids=torch.randint(2, 128, (1, 1)), past_key_values=cache)  # reads the codes
     assert bases.tensors.resident() == []  # every layer codes from its copy
     rank, width = stored[0].shape
-    per_layer = rank * width * 2 + (width + rank + rank) * 4  # fp16 copy; fp32 scales, singular values, spectrum
+    per_layer = rank * width + (2 * rank + width + rank + rank) * 4  # int8 copy; fp32 peaks, scales, spectra
     assert cache.footprint().bases_bytes == bases.nbytes() == len(stored) * per_layer
-    assert all(bases.coding_basis(i, "rms", "cpu")[0].dtype == torch.float16 for i in stored)
+    assert all(bases.coding_basis(i, "rms", "cpu", bits=8)[0].dtype == torch.float16 for i in stored)  # read back
     assert all(torch.equal(bases.tensors[i], stored[i]) for i in stored)  # read again, verified
     assert bases.tensors.resident() == []  # and not kept
     file = tmp_path / "bases" / "bases.safetensors"

@@ -201,7 +201,7 @@ class VarRateLayer(TurnsMixin, DynamicLayer):
         rows = [row_inputs(context, b, keys, values) for b in range(keys.shape[0])]
         self.offsets = [self._rope_offset(row) for row in rows]
         coding = self.bases.coding_basis(self.layer_idx, self.config.balance, keys.device,
-                                         key_weight=self.config.key_weight)  # (basis, scales)
+                                         key_weight=self.config.key_weight, bits=self.config.basis_bits)
         share = self.bases.layer_share(self.layer_idx, self.config)  # per-layer budgets, or None
         self._store(rows, coding, context.scaling, keys, values, share)
 

@@ -102,7 +102,7 @@ class CompactLayer(VarRateLayer):
             keys[:, :, :kept].zero_()
             values[:, :, :kept].zero_()
         basis, scales = self.bases.coding_basis(self.layer_idx, self.config.balance, self.keys.device,
-                                                key_weight=self.config.key_weight)
+                                                key_weight=self.config.key_weight, bits=self.config.basis_bits)
         for b, (code, span) in enumerate(zip(self.codes, self.spans)):
             cos, sin = self.memo.tables(self.rope, code.seq_len, self.keys.dtype, self.keys.device, self.offsets[b])
             args = (code, code.exact_keys, code.exact_values, cos, sin, basis)
@@ -150,7 +150,7 @@ class CompactLayer(VarRateLayer):
         device = self.keys.device
         _, heads, _, dim = code.exact_keys.shape
         split = self.bases.attention_basis(self.layer_idx, self.config.balance, device, heads, dim,
-                                           key_weight=self.config.key_weight)
+                                           key_weight=self.config.key_weight, bits=self.config.basis_bits)
         turns = self.memo.turns(self.rope, code.seq_len, self.keys.dtype, device, self.offsets[0])
         out = attend_codes(code, query[0], code.exact_keys[0], code.exact_values[0], self.keys[0], self.values[0],
                            turns, split, scaling, mask=None if mask is None else mask[0, 0],

@@ -138,7 +138,7 @@ class TurnsMixin:
         if offset is None:  # not positions the cache can recompute: stays exact
             return
         coding = self.bases.coding_basis(self.layer_idx, self.config.balance, keys.device,
-                                         key_weight=self.config.key_weight)
+                                         key_weight=self.config.key_weight, bits=self.config.basis_bits)
         share = self.bases.layer_share(self.layer_idx, self.config)
         code = self._store_turn(row, coding, held.context.scaling, share, held.start)
         self.turns.append(Turn(held.start, [code], offset, length))
