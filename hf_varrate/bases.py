@@ -138,7 +138,8 @@ class Bases:
                 f"({ {k: calibrated[k] for k in changed} }); the residuals then follow other statistics than the "
                 f"basis was fitted to. Recalibrate with the same settings (hf-varrate calibrate --stride ...) to "
                 f"match them", CalibrationOverrideWarning, stacklevel=stacklevel)
-        config = VarRateConfig.preset(preset, **{**calibrated, **self.tuned_settings(preset), **overrides})
+        low = VarRateConfig.low_budget_settings(preset, overrides)  # the preset's own, over the calibrated window
+        config = VarRateConfig.preset(preset, **{**calibrated, **low, **self.tuned_settings(preset), **overrides})
         if config.balance != "none" and "balance" not in overrides and not self.spectra:
             warnings.warn(
                 f"preset {preset!r} balances keys and values (balance={config.balance!r}), which needs bases that "

@@ -9,7 +9,7 @@ import numbers
 
 from .signals import SIGNALS
 
-GROUPS = ("paper", "beyond", "runtime", "developer")
+GROUPS = ("paper", "beyond", "runtime", "coding", "developer")  # coding: fixed once a prompt is coded
 ALLOCATIONS = ("waterfill", "topk")
 STORAGES = ("materialized", "compact")
 HOLD_DTYPES = ("auto", "model")

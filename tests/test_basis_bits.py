@@ -1,6 +1,8 @@
 """The coding basis held in 8 bits (`basis_bits=8`, the default): half a 16-bit basis's bytes, a scale per row
 and half, an error per basis vector below the codec's own, and the same answers."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -111,6 +113,10 @@ def test_basis_bits_names_its_choices():
     with pytest.raises(ValueError, match="basis_bits"):
         VarRateConfig(basis_bits=4)
     assert VarRateConfig().basis_bits == 8 and VarRateConfig.preset("paper").basis_bits == 8
+    from hf_varrate.config_checks import GROUPS
+
+    assert {f.metadata["group"] for f in dataclasses.fields(VarRateConfig)} <= set(GROUPS)
+    assert "basis_bits" not in VarRateConfig.runtime_fields()  # a saved cache cannot be read with another
 
 
 def test_readable_passes_a_tensor_through():

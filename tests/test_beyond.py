@@ -29,6 +29,27 @@ def test_paper_preset_is_the_config_default_and_recommended_preset_turns_options
         VarRateConfig.preset("fast")
 
 
+@pytest.mark.parametrize("budget, window, coef_bits", [(0.2, 64, 4), (0.15, 64, 4), (0.1, 16, 3), (0.05, 16, 3)])
+def test_the_recommended_preset_shortens_the_window_and_quantizes_harder_at_a_tenth_or_less(
+        tmp_path, tiny_llama, budget, window, coef_bits):
+    """At budget 0.1 and below the preset holds 16 exact tokens at the end instead of the bases' 64 and codes 3-bit
+    coefficients, without the warning an override of a calibration setting gets; what the user passes wins, and
+    the paper's preset is untouched."""
+    import warnings
+
+    from hf_varrate import Bases
+
+    calibrated_like(tiny_llama.config).save_pretrained(tmp_path, dtype=torch.float32)
+    bases = Bases.from_pretrained(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config = bases.config("recommended", budget=budget)
+    assert (config.window, config.coef_bits) == (window, coef_bits)
+    assert VarRateConfig.preset("recommended", budget=budget).coef_bits == coef_bits
+    assert bases.config("recommended", budget=budget, window=64, coef_bits=4).window == 64
+    assert bases.config("paper", budget=budget).window == 64 and bases.config("paper", budget=budget).coef_bits is None
+
+
 @pytest.mark.parametrize("field, value", [("flat_floor", 1.5), ("flat_floor", -0.1), ("anchor_share", 0.0),
                                           ("anchor_share", 2), ("balance", "l2"), ("budget_dtype", "int8")])
 def test_bad_options_name_the_field(field, value):
