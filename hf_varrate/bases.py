@@ -187,13 +187,14 @@ class Bases:
         return self.spaces.basis(layer_idx, device)
 
     def coding_basis(self, layer_idx: int, balance: str, device=None, key_weight: float = 1.0,
-                     bits: int | None = None):
+                     bits: int | None = VarRateConfig.basis_bits):
         """(basis [R, D] in the stored dtype, half scales [D] fp32 or None) a layer codes with, its copy held in
-        `bits` (8, or None: the stored dtype): `CodingSpaces.coding_basis`."""
+        `bits` (8, or None: the stored dtype; by default what a default cache codes with, so this shares its
+        copy): `CodingSpaces.coding_basis`."""
         return self.spaces.coding_basis(layer_idx, balance, device, key_weight, bits)
 
     def attention_basis(self, layer_idx: int, balance: str, device, heads: int, dim: int, key_weight: float = 1.0,
-                        bits: int | None = None):
+                        bits: int | None = VarRateConfig.basis_bits):
         """The coding basis as attention over the codes reads it: `CodingSpaces.attention_basis`."""
         return self.spaces.attention_basis(layer_idx, balance, device, heads, dim, key_weight, bits)
 

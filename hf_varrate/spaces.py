@@ -3,10 +3,10 @@
 Per layer, device and coding space, one copy of the basis the layer codes with, in the stored tensor's dtype
 (fp16 for shipped bases; the matmuls convert it, blocks at a time, to the dtype they compute in): balance='rms'
 and key_weight scale the value half (`codec.balance`, derived in fp64 and rounded once); unscaled, the stored
-basis itself. With it, its half scales and singular values (per-layer budgets). Attention over the codes reads
-that copy with each head's key dims in RoPE-pair order (`codec.attend.paired_columns`): at the first read the
-copy is reordered in place of the one kept, and coding derives the natural order from it when it needs it (a
-permutation: the same numbers). Once a layer's copy exists, bases read from a file let the stored tensor go
+basis itself. With it, its half scales (per-layer budgets take the scaled space's singular values alone).
+Attention over the codes reads that copy with each head's key dims in RoPE-pair order
+(`codec.attend.paired_columns`): at the first read the copy is reordered in place of the one kept, and coding
+derives the natural order from it when it needs it (a permutation: the same numbers). Once a layer's copy exists, bases read from a file let the stored tensor go
 (`stored.StoredTensors.release`; read again from the file when needed). The copy is held in 8 bits under the
 default `basis_bits=8` (`codec.basis_bits`; read back to the stored dtype, one layer at a time, when coding or
 attention needs it). So a model's bases cost one 8-bit copy per layer and device, not the stored tensors plus
@@ -25,7 +25,7 @@ import torch
 
 from .codec import tensor_bytes
 from .codec.attend import paired_columns
-from .codec.balance import balanced_basis
+from .codec.balance import balanced_basis, balanced_spectrum
 from .codec.basis_bits import Int8Basis, basis_tensors, held_basis, readable
 from .codec.layer_budget import energy_shares
 from .errors import BasesError
@@ -46,7 +46,6 @@ class DerivedCopies:
 
     def __init__(self):
         self.coding: dict[tuple, CodingCopy] = {}  # (layer, device, balance, key_weight, bits) -> the one copy
-        self.balanced_spectra: dict[tuple, torch.Tensor] = {}  # (layer, balance, key_weight) -> singular values
         self.energies: dict[tuple, tuple[torch.Tensor, dict[int, int]]] = {}  # (balance, key_weight) -> shares
 
 
@@ -117,7 +116,7 @@ class CodingSpaces:
     def nbytes(self) -> int:
         """Bytes of every tensor these bases hold: the stored ones and the copies made for coding and reading
         (per device and coding space). Shared by every cache built on them: a per-model cost."""
-        held = [*self.bases.tensors.resident(), *self.bases.spectra.values(), *self.copies.balanced_spectra.values(),
+        held = [*self.bases.tensors.resident(), *self.bases.spectra.values(),
                 *(t for copy in self.copies.coding.values() for t in self._copy_tensors(copy))]
         return tensor_bytes(*{id(t): t for t in held}.values())  # identity bases share one tensor
 
@@ -156,8 +155,7 @@ class CodingSpaces:
         return key, self.copies.coding[key]
 
     def _balanced_copy(self, key: tuple, basis: torch.Tensor) -> CodingCopy:
-        """The scaled space's basis (`codec.balance.balanced_basis`, in fp64) rounded to `basis`'s dtype; keeps its
-        singular values."""
+        """The scaled space's basis (`codec.balance.balanced_basis`, in fp64) rounded to `basis`'s dtype."""
         layer_idx, _, balance, key_weight, _ = key
         spectrum = self.bases.spectrum(layer_idx)
         if spectrum is None:
@@ -166,14 +164,13 @@ class CodingSpaces:
                 f"and these have none for layer {layer_idx}; recalibrate them with this version of hf_varrate "
                 f"(hf-varrate calibrate ...) or use balance='none'"
             )
-        balanced, scales, singular = balanced_basis(basis.float(), spectrum, balance, key_weight)
-        self.copies.balanced_spectra[(layer_idx, balance, key_weight)] = singular
+        balanced, scales, _ = balanced_basis(basis.float(), spectrum, balance, key_weight)
         return CodingCopy(balanced.to(basis.dtype), scales, None)
 
-    def coding_energies(self, balance: str, key_weight: float = 1.0,
-                        bits: int | None = None) -> tuple[torch.Tensor, dict[int, int]]:
+    def coding_energies(self, balance: str, key_weight: float = 1.0) -> tuple[torch.Tensor, dict[int, int]]:
         """(energies [L, R] of every compressed layer's coding space, {layer index: row}) for per-layer
-        budgets (`codec.layer_budget`): the shipped spectra, or the scaled space's (`coding_basis`)."""
+        budgets (`codec.layer_budget`): the shipped spectra, or the scaled space's (`codec.balance.balanced_spectrum`,
+        derived on the CPU from the stored tensors: no layer's coding copy is made here, on any device)."""
         if (balance, key_weight) not in self.copies.energies:
             layers = sorted(self.bases.tensors)
             missing = [i for i in layers if self.bases.spectrum(i) is None]
@@ -186,9 +183,8 @@ class CodingSpaces:
             if balance == "none" and key_weight == 1.0:
                 spectra = [self.bases.spectrum(i) for i in layers]
             else:
-                for i in layers:
-                    self._coding_copy(i, balance, None, key_weight, bits)  # the copy coding will use
-                spectra = [self.copies.balanced_spectra[(i, balance, float(key_weight))] for i in layers]
+                spectra = [balanced_spectrum(self.bases.tensors[i].float(), self.bases.spectrum(i), balance, key_weight)
+                           for i in layers]
             self.copies.energies[(balance, key_weight)] = energy_shares(spectra), {i: row for row, i in enumerate(layers)}
         return self.copies.energies[(balance, key_weight)]
 
@@ -197,5 +193,5 @@ class CodingSpaces:
         ('spectrum': the coding spaces' energies and this layer's row; 'uniform': None)."""
         if config.layer_budgets == "uniform":
             return None
-        energies, rows = self.coding_energies(config.balance, config.key_weight, config.basis_bits)
+        energies, rows = self.coding_energies(config.balance, config.key_weight)
         return energies, rows[layer_idx]

@@ -57,6 +57,29 @@ def test_spectrum_layer_budgets_move_rank_and_keep_the_total(tiny_llama, storage
     assert caches["spectrum"].footprint().prompt_fraction <= 0.3 + 1e-9
 
 
+def test_spectrum_layer_budgets_in_a_scaled_space_derive_no_coding_copy(tiny_llama):
+    """Per-layer budgets under balance='rms' take the scaled spaces' singular values alone: a layer's share
+    makes no coding copy of any layer (before, every layer's copy was made on the CPU, an extra one beside a GPU
+    cache's), and the energies are those of the balanced bases."""
+    from hf_varrate import Bases
+    from hf_varrate.architecture import describe
+    from hf_varrate.codec.balance import balanced_basis
+    from hf_varrate.codec.layer_budget import energy_shares
+
+    shape = describe(tiny_llama.config)
+    basis, _, _ = synthetic_spectrum(shape.width, 3.0, seed=7)  # content no other test uses: no shared copies
+    spectra = {i: torch.tensor([(0.5 + 0.1 * i) ** (j / 8) for j in range(shape.width)]) for i in shape.compressed_layers}
+    bases = Bases.from_tensors({i: basis for i in shape.compressed_layers}, tiny_llama.config, spectra=spectra)
+    config = VarRateConfig(balance="rms", key_weight=2.0, layer_budgets="spectrum")
+    before = bases.nbytes()
+    shares = {i: bases.layer_share(i, config) for i in shape.compressed_layers}
+    assert bases.spaces.copies.coding == {} and bases.nbytes() == before
+    energies, _ = shares[shape.compressed_layers[0]]
+    expected = energy_shares([balanced_basis(basis, spectra[i], "rms", 2.0)[2] for i in shape.compressed_layers])
+    torch.testing.assert_close(energies, expected, rtol=1e-5, atol=1e-7)
+    assert sorted(row for _, row in shares.values()) == list(range(len(shape.compressed_layers)))
+
+
 def test_spectrum_layer_budgets_need_a_spectrum_and_the_fast_path(tiny_llama):
     from hf_varrate import Bases, VarRateCache, bound
 
@@ -87,22 +110,22 @@ def test_bases_bytes_count_every_copy_once_and_a_balanced_cache_keeps_no_unscale
             tiny_llama(input_ids=torch.randint(2, 128, (1, 300)), past_key_values=cache)
             cache.compress()
     width, rank = bases.tensors[0].shape[1], bases.tensors[0].shape[0]
-    # the scaled basis in 8 bits with an fp32 peak per row and half; its scales and singular values (fp32)
-    per_layer = rank * width + (2 * rank + width + rank) * 4
+    # the scaled basis in 8 bits with an fp32 peak per row and half, and its scales (fp32)
+    per_layer = rank * width + (2 * rank + width) * 4
     assert bases.nbytes() == stored + len(bases.tensors) * per_layer  # once, for both caches
     assert all(cache.footprint().bases_bytes == bases.nbytes() for cache in caches)
-    natural = {i: bases.coding_basis(i, "rms", "cpu", bits=8)[0].clone() for i in bases.tensors}
+    natural = {i: bases.coding_basis(i, "rms", "cpu")[0].clone() for i in bases.tensors}  # the caches' copy
     with bound(tiny_llama), torch.no_grad():  # decoding reads the codes: the kept copy is reordered, not copied
         for cache in caches:
             tiny_llama(input_ids=torch.randint(2, 128, (1, 1)), past_key_values=cache)
     assert bases.nbytes() == stored + len(bases.tensors) * per_layer
-    assert all(torch.equal(bases.coding_basis(i, "rms", "cpu", bits=8)[0], natural[i]) for i in bases.tensors)
+    assert all(torch.equal(bases.coding_basis(i, "rms", "cpu")[0], natural[i]) for i in bases.tensors)
 
 
 def test_bases_read_from_a_file_hold_one_8_bit_copy_and_read_the_stored_tensor_again(tmp_path, tiny_llama):
     """Loaded bases (fp16 on disk) code with one 8-bit copy per layer (the default `basis_bits`) and let the stored
-    tensor go: bases_bytes is that copy, its scales and spectra, not the stored tensors beside fp32 copies. The stored tensor comes back
-    from the file, bit for bit, when asked; a file changed or removed since the load is a BasesError."""
+    tensor go: bases_bytes is that copy, its scales and the stored spectra, not the stored tensors beside fp32
+    copies. The stored tensor comes back from the file, bit for bit, when asked; a file changed or removed since the load is a BasesError."""
     from safetensors.torch import load_file, save_file
 
     from hf_varrate import Bases, VarRateCache, bound
@@ -118,7 +141,7 @@ def test_bases_read_from_a_file_hold_one_8_bit_copy_and_read_the_stored_tensor_a
         tiny_llama(input_ids=torch.randint(2, 128, (1, 1)), past_key_values=cache)  # reads the codes
     assert bases.tensors.resident() == []  # every layer codes from its copy
     rank, width = stored[0].shape
-    per_layer = rank * width + (2 * rank + width + rank + rank) * 4  # int8 copy; fp32 peaks, scales, spectra
+    per_layer = rank * width + (2 * rank + width + rank) * 4  # int8 copy; fp32 peaks, scales, stored spectrum
     assert cache.footprint().bases_bytes == bases.nbytes() == len(stored) * per_layer
     assert all(bases.coding_basis(i, "rms", "cpu", bits=8)[0].dtype == torch.float16 for i in stored)  # read back
     assert all(torch.equal(bases.tensors[i], stored[i]) for i in stored)  # read again, verified

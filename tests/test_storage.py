@@ -240,9 +240,9 @@ def test_bases_of_the_same_content_share_their_derived_copies(tiny_llama):
 
     first, second = edited(lambda t: t.roll(5, 0)), edited(lambda t: t.roll(5, 0))
     before = second.nbytes()
-    split = first.attention_basis(0, "none", "cpu", 2, 16)
+    split = first.attention_basis(0, "none", "cpu", 2, 16, bits=None)
     held = split[0].untyped_storage()
-    assert second.attention_basis(0, "none", "cpu", 2, 16)[0].untyped_storage().data_ptr() == held.data_ptr()
+    assert second.attention_basis(0, "none", "cpu", 2, 16, bits=None)[0].untyped_storage().data_ptr() == held.data_ptr()
     assert second.nbytes() == before + held.nbytes()  # counted by every bases sharing it
     other = edited(lambda t: t.flip(0))
-    assert other.attention_basis(0, "none", "cpu", 2, 16)[0].untyped_storage().data_ptr() != held.data_ptr()
+    assert other.attention_basis(0, "none", "cpu", 2, 16, bits=None)[0].untyped_storage().data_ptr() != held.data_ptr()

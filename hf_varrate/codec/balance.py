@@ -26,7 +26,24 @@ def balanced_basis(basis: torch.Tensor, spectrum: torch.Tensor, balance: str = "
     The value half is scaled by a (balance='rms'; 1 for 'none'), divided by `key_weight`: scaling the values
     down by w codes z = [w k ; v] up to one global factor, so a weight above 1 moves error, and with it
     bytes, from the keys to the values (anchors, basis and group-quantized codes all follow the scaling)."""
-    rank, width = basis.shape
+    moment, scales = _scaled_moment(basis, spectrum, balance, key_weight)
+    balanced, singular = principal_components(moment, basis.shape[0])
+    return balanced.to(basis.device), scales.float().to(basis.device), singular.float()
+
+
+def balanced_spectrum(basis: torch.Tensor, spectrum: torch.Tensor, balance: str = "rms",
+                      key_weight: float = 1.0) -> torch.Tensor:
+    """The singular values [R] fp32 of `balanced_basis`'s scaled space alone (eigenvalues, no eigenvectors, on
+    the CPU): what per-layer budgets need, without deriving or keeping a basis on any device."""
+    moment, _ = _scaled_moment(basis, spectrum, balance, key_weight)
+    eigenvalues = torch.linalg.eigvalsh((moment + moment.T) / 2)  # ascending
+    return eigenvalues.flip(0)[:basis.shape[0]].clamp(min=0).sqrt().float()
+
+
+def _scaled_moment(basis: torch.Tensor, spectrum: torch.Tensor, balance: str,
+                   key_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A Sigma A [D, D] fp64 on the CPU, the scales A [D] fp64) of one layer's scaled space."""
+    width = basis.shape[1]
     half = width // 2
     u = basis.double().cpu()
     moment = u.T @ (spectrum.double().cpu().square()[:, None] * u)  # Sigma [D, D]
@@ -40,5 +57,4 @@ def balanced_basis(basis: torch.Tensor, spectrum: torch.Tensor, balance: str = "
     scales = torch.ones(width, dtype=torch.float64)
     factor = (key_energy / value_energy) ** 0.5 if balance == "rms" else 1.0
     scales[half:] = factor / key_weight
-    balanced, singular = principal_components(scales[:, None] * moment * scales[None, :], rank)
-    return balanced.to(basis.device), scales.float().to(basis.device), singular.float()
+    return scales[:, None] * moment * scales[None, :], scales
