@@ -124,8 +124,8 @@ class VarRateConfig:
     coef_bits: int | None = field(
         default=None,
         metadata={"group": "paper",
-                  "help": "Quantize coefficients to 3, 4 or 8 bits, group-wise (Section 3.3, App. A.4); None keeps "
-                  "them in the model's dtype."},
+                  "help": "Quantize coefficients to 2, 3, 4 or 8 bits, group-wise (Section 3.3, App. A.4; 2 bits is "
+                  "beyond the paper); None keeps them in the model's dtype."},
     )
     coef_group: int = field(
         default=32,

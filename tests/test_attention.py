@@ -20,7 +20,7 @@ from test_beyond import calibrated_like
 from test_cache import SMALL, greedy, prompt
 
 # the last: the recommended preset (balanced, i.e. scaled, coding; 4-bit dense codes) on calibrated-like bases
-OVERRIDES = [{}, {"coef_bits": 3}, {"signal": "uniform", "coef_bits": 4},
+OVERRIDES = [{}, {"coef_bits": 3}, {"coef_bits": 2}, {"signal": "uniform", "coef_bits": 4},
              {"preset": "recommended", "budget": 0.3, "projection_dtype": "float32"}]
 
 

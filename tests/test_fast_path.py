@@ -116,7 +116,7 @@ def test_fast_path_matches_the_reference_path(dtype, overrides):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("overrides", [{}, {"coef_bits": 3}, {"coef_bits": 4}, {"signal": "uniform"},
+@pytest.mark.parametrize("overrides", [{}, {"coef_bits": 2}, {"coef_bits": 3}, {"coef_bits": 4}, {"signal": "uniform"},
                                        {"signal": "uniform", "coef_bits": 4}])
 def test_materialized_reconstruction_equals_decode_prompt_bit_for_bit(overrides, dtype):
     keys, values, queries, cos, sin = (t.to(dtype) for t in make_prompt(seq_len=500, heads=2, dim=16))

@@ -15,7 +15,7 @@ from hf_varrate.codec.quantization import (
 from test_codec import make_prompt, random_orthonormal
 
 
-@pytest.mark.parametrize("bits", [3, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("count", [0, 1, 7, 8, 9, 1001])
 def test_bit_packing_round_trips(bits, count):
     g = torch.Generator().manual_seed(count)
@@ -43,7 +43,7 @@ def stream(seed=0, tokens=300, max_rank=120, scale=10.0):
     return x, ranks
 
 
-@pytest.mark.parametrize("bits", [3, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("group", [1, 32, 1000])
 def test_quantized_coefficients_round_trip_within_half_a_step(bits, group):
     x, ranks = stream(bits + group)
@@ -66,7 +66,7 @@ def test_constant_groups_and_huge_values():
     assert torch.equal(dequantize(q, ranks)[:40], x[:40])  # a constant group comes back exactly
 
 
-@pytest.mark.parametrize("bits", [3, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("group", [1, 8, 32])
 @pytest.mark.parametrize("ranks", ["runs", "two_values", "spread"])
 def test_dense_quantization_is_bit_identical_to_the_stream_one(bits, group, ranks):
@@ -111,7 +111,7 @@ def test_dense_layout_only_where_padding_is_small():
 def test_more_bits_smaller_error_and_more_bytes():
     x, ranks = stream(5)
     errors, sizes = [], []
-    for bits in (3, 4, 8):
+    for bits in (2, 3, 4, 8):
         q = quantize(x, ranks, bits, 32)
         errors.append(float((dequantize(q, ranks) - x).norm()))
         sizes.append(q.nbytes())
@@ -124,7 +124,7 @@ def realistic_prompt(dtype=torch.float16):
     return tuple(t.to(dtype) for t in (keys, values, queries, cos, sin)), random_orthonormal(384, 384)
 
 
-@pytest.mark.parametrize("bits", [3, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 def test_same_ranks_mode_keeps_the_ranks_and_stores_fewer_bytes(bits):
     (keys, values, queries, cos, sin), basis = realistic_prompt()
     plain = encode_prompt(keys, values, queries, cos, sin, basis, VarRateConfig(budget=0.2), 0.125)
@@ -135,7 +135,7 @@ def test_same_ranks_mode_keeps_the_ranks_and_stores_fewer_bytes(bits):
         assert 0.09 <= quant.nbytes() / quant.full_nbytes() <= 0.13
 
 
-@pytest.mark.parametrize("bits", [3, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 def test_same_bytes_mode_holds_the_budget_and_buys_rank(bits):
     (keys, values, queries, cos, sin), basis = realistic_prompt()
     plain = encode_prompt(keys, values, queries, cos, sin, basis, VarRateConfig(budget=0.25), 0.125)

@@ -35,7 +35,7 @@ def answer(model, cache, doc_len=300, seed=1):
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_gemma3"])
 @pytest.mark.parametrize("saved", ["materialized", "compact"])
 @pytest.mark.parametrize("loaded", ["materialized", "compact"])
-@pytest.mark.parametrize("overrides", [{}, {"coef_bits": 3}])
+@pytest.mark.parametrize("overrides", [{}, {"coef_bits": 3}, {"coef_bits": 2}])
 def test_save_load_generate_equals_the_in_memory_run(fixture, saved, loaded, overrides, request, tmp_path):
     model = request.getfixturevalue(fixture)
     cache = compressed(model, saved, **overrides)

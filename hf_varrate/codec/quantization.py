@@ -20,7 +20,7 @@ from . import native
 if TYPE_CHECKING:
     from .projection import DenseOrder
 
-BITS = (3, 4, 8)
+BITS = (2, 3, 4, 8)
 SCALE_DTYPE = torch.float16
 
 
