@@ -146,6 +146,15 @@ def test_same_bytes_mode_holds_the_budget_and_buys_rank(bits):
     assert quant.ranks.long().sum() > 1.5 * plain.ranks.long().sum()
 
 
+def test_fewer_bits_buy_more_rank_at_the_same_bytes():
+    (keys, values, queries, cos, sin), basis = realistic_prompt()
+    ranks = []
+    for bits in (8, 4, 3, 2):
+        config = VarRateConfig(budget=0.1, coef_bits=bits, quantized_budget="same_bytes", window=16)
+        ranks.append(int(encode_prompt(keys, values, queries, cos, sin, basis, config, 0.125).ranks.long().sum()))
+    assert ranks == sorted(ranks) and len(set(ranks)) == 4, ranks
+
+
 def test_quantized_reconstruction_error_is_bounded_by_the_coefficient_error():
     """The basis is orthonormal, so a token's error from quantization is at most the norm of its
     coefficients' errors, each at most half a step."""
