@@ -125,7 +125,8 @@ class VarRateConfig:
         default=None,
         metadata={"group": "paper",
                   "help": "Quantize coefficients to 2, 3, 4 or 8 bits, group-wise (Section 3.3, App. A.4; 2 bits is "
-                  "beyond the paper); None keeps them in the model's dtype."},
+                  "beyond the paper, and lost to 3 at budget 0.1: docs/accuracy_dev.md); None keeps them in the "
+                  "model's dtype."},
     )
     coef_group: int = field(
         default=32,
