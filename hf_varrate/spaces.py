@@ -1,18 +1,17 @@
 """`CodingSpaces`: the tensors a model's bases are coded and read with, derived once and kept.
 
-Per layer, device and coding space, one copy of the basis the layer codes with, in the stored tensor's dtype
-(fp16 for shipped bases; the matmuls convert it, blocks at a time, to the dtype they compute in): balance='rms'
-and key_weight scale the value half (`codec.balance`, derived in fp64 and rounded once); unscaled, the stored
-basis itself. With it, its half scales (per-layer budgets take the scaled space's singular values alone).
-Attention over the codes reads that copy with each head's key dims in RoPE-pair order
-(`codec.attend.paired_columns`): at the first read the copy is reordered in place of the one kept, and coding
-derives the natural order from it when it needs it (a permutation: the same numbers). Once a layer's copy exists, bases read from a file let the stored tensor go
-(`stored.StoredTensors.release`; read again from the file when needed). The copy is held in 8 bits under the
-default `basis_bits=8` (`codec.basis_bits`; read back to the stored dtype, one layer at a time, when coding or
-attention needs it). So a model's bases cost one 8-bit copy per layer and device, not the stored tensors plus
-fp32 copies. Reached through a `Bases` (`bases.spaces`) and shared by every `Bases` of the same content (two
-caches loading the same folder make one set of copies per device, held while any of them lives), and `nbytes`
-counts them.
+Per layer, device and coding space, one copy of the basis the layer codes with, in the stored tensor's dtype (fp16
+for shipped bases; the matmuls convert it, blocks at a time, to the dtype they compute in): balance='rms' and
+key_weight scale the value half (`codec.balance`, derived in fp64 and rounded once); unscaled, the stored basis
+itself. With it, its half scales (per-layer budgets take the scaled space's singular values alone). Attention over
+the codes reads that copy with each head's key dims in RoPE-pair order (`codec.attend.paired_columns`): at the
+first read the copy is reordered in place of the one kept, and coding derives the natural order from it when it
+needs it (a permutation: the same numbers). Once a layer's copy exists, bases read from a file let the stored
+tensor go (`stored.StoredTensors.release`; read again from the file when needed). The copy is held in 8 bits under
+the default `basis_bits=8` (`codec.basis_bits`; read back to the stored dtype, one layer at a time, when coding or
+attention needs it). So a model's bases cost one 8-bit copy per layer and device, not the stored tensors plus fp32
+copies. Reached through a `Bases` (`bases.spaces`) and shared by every `Bases` of the same content (two caches
+loading the same folder make one set of copies per device, held while any of them lives), and `nbytes` counts them.
 """
 
 from __future__ import annotations
