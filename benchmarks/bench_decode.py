@@ -44,7 +44,8 @@ def decode(model, cache, first: torch.Tensor, new: int) -> tuple[list[float], li
     return steps, tokens
 
 
-def build_caches(model, bases, captured, budget: float, configs: list[str], preset: str = "paper") -> dict:
+def build_caches(model, bases, captured, budget: float, configs: list[str], preset: str = "paper",
+                 budget_dtype: str | None = None) -> dict:
     caches = {}
     for name in configs:
         if name == "full":
@@ -52,7 +53,7 @@ def build_caches(model, bases, captured, budget: float, configs: list[str], pres
         else:
             storage, _, bits = name.removesuffix("+torch").removesuffix("+codes").partition("-")
             options = {"coef_bits": int(bits.removesuffix("bit"))} if bits else {}
-            config = VarRateConfig.preset(preset, budget=budget, storage=storage, **options)
+            config = VarRateConfig.preset(preset, budget=budget, budget_dtype=budget_dtype, storage=storage, **options)
             cache = VarRateCache(bases, config, model=model)
         common.replay_into(cache, model, captured)
         caches[name] = cache
@@ -67,6 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--new", type=int, default=16, help="tokens decoded per repeat")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--budget", type=float, default=0.2)
+    parser.add_argument("--budget-dtype", choices=["float16", "bfloat16", "float32"],
+                        help="count the budget in this dtype's bytes (default: the model's)")
     parser.add_argument("--threads", type=int, default=1, help="0: torch's default")
     parser.add_argument("--device", default="cpu", help="where the model and the caches live: cpu or cuda[:index]")
     parser.add_argument("--configs", default="full,materialized,compact")
@@ -106,7 +109,7 @@ def markdown(result: dict, args, configs: list[str]) -> str:
                      footprints[name]["held"] / 2**20, footprints[name]["held"] / footprints["full"]["held"]])
     device = f"{env['cuda']} ({env['device']})" if env.get("cuda") else f"{env['torch_threads']} CPU thread(s)"
     return (f"## Decode at {args.length} tokens, {args.model} {args.dtype}, preset {args.preset!r}, "
-            f"budget {args.budget}, {device}\n\n"
+            f"budget {args.budget}{f' (in {args.budget_dtype} bytes)' if args.budget_dtype else ''}, {device}\n\n"
             + common.table(["cache", "tok/s (median)", "vs full", "vs materialized", "spread (max-min)/median",
                             "K/V held MiB", "held vs full"], rows)
             + f"\n\n`+codes`: under the \"varrate\" attention implementation; the others under sdpa (compact layers "
@@ -121,7 +124,7 @@ def main(argv=None):
     common.use_device(args.device)
     doc = common.captured_document(args.model, args.dtype, args.length, args.threads)
     model, configs = doc.model, args.configs.split(",")
-    caches = build_caches(model, doc.bases, doc.captured, args.budget, configs, args.preset)
+    caches = build_caches(model, doc.bases, doc.captured, args.budget, configs, args.preset, args.budget_dtype)
     first = doc.ids[:, -1:]
     decode(model, copy.deepcopy(caches["full"]), first, 2)  # warm-up
     steps, rates, tokens = interleaved_decodes(model, caches, first, args)
