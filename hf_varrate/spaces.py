@@ -182,8 +182,8 @@ class CodingSpaces:
             if balance == "none" and key_weight == 1.0:
                 spectra = [self.bases.spectrum(i) for i in layers]
             else:
-                spectra = [balanced_spectrum(self.bases.tensors[i].float(), self.bases.spectrum(i), balance, key_weight)
-                           for i in layers]
+                spectra = [balanced_spectrum(self.bases.tensors[i], self.bases.spectrum(i), balance, key_weight)
+                           for i in layers]  # in fp64 there: no fp32 copy first
             self.copies.energies[(balance, key_weight)] = energy_shares(spectra), {i: row for row, i in enumerate(layers)}
         return self.copies.energies[(balance, key_weight)]
 

@@ -68,7 +68,8 @@ def test_spectrum_layer_budgets_in_a_scaled_space_derive_no_coding_copy(tiny_lla
 
     shape = describe(tiny_llama.config)
     basis, _, _ = synthetic_spectrum(shape.width, 3.0, seed=7)  # content no other test uses: no shared copies
-    spectra = {i: torch.tensor([(0.5 + 0.1 * i) ** (j / 8) for j in range(shape.width)]) for i in shape.compressed_layers}
+    spectra = {i: torch.tensor([(0.5 + 0.1 * i) ** (j / 8) for j in range(shape.width)])
+               for i in shape.compressed_layers}
     bases = Bases.from_tensors({i: basis for i in shape.compressed_layers}, tiny_llama.config, spectra=spectra)
     config = VarRateConfig(balance="rms", key_weight=2.0, layer_budgets="spectrum")
     before = bases.nbytes()
@@ -125,7 +126,8 @@ def test_bases_bytes_count_every_copy_once_and_a_balanced_cache_keeps_no_unscale
 def test_bases_read_from_a_file_hold_one_8_bit_copy_and_read_the_stored_tensor_again(tmp_path, tiny_llama):
     """Loaded bases (fp16 on disk) code with one 8-bit copy per layer (the default `basis_bits`) and let the stored
     tensor go: bases_bytes is that copy, its scales and the stored spectra, not the stored tensors beside fp32
-    copies. The stored tensor comes back from the file, bit for bit, when asked; a file changed or removed since the load is a BasesError."""
+    copies. The stored tensor comes back from the file, bit for bit, when asked; a file changed or removed since
+    the load is a BasesError."""
     from safetensors.torch import load_file, save_file
 
     from hf_varrate import Bases, VarRateCache, bound
