@@ -114,7 +114,8 @@ def markdown(result: dict, args, configs: list[str]) -> str:
                             "K/V held MiB", "held vs full"], rows)
             + f"\n\n`+codes`: under the \"varrate\" attention implementation; the others under sdpa (compact layers "
             f"are read over their codes under both). "
-            f"Same greedy tokens as materialized: {result['same_tokens_as_materialized']}.\n"
+            + "".join(f"Same greedy tokens as {ref}: {same}. " for ref, same in result["same_tokens_as"].items())
+            + "\n"
             f"{args.repeats} repeats x {args.new} tokens, configurations interleaved; load average "
             f"{env['load_average']}; bases: {result['bases']}.\n")
 
@@ -131,7 +132,8 @@ def main(argv=None):
     result = {"env": doc.env, "args": vars(args), "bases": doc.bases_name,
               "tokens_per_second": {n: common.summary(r) for n, r in rates.items()},
               "step_seconds": {n: common.summary(s) for n, s in steps.items()},
-              "same_tokens_as_materialized": {n: tokens[n] == tokens.get("materialized") for n in configs},
+              "same_tokens_as": {ref: {n: tokens[n] == tokens[ref] for n in configs if n != ref}
+                                 for ref in ("full", "materialized") if ref in tokens},
               "bytes_at_rest": {name: _bytes(cache) for name, cache in caches.items()}}
     common.write_results(args.out, result, markdown(result, args, configs))
 
