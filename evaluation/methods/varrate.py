@@ -16,6 +16,8 @@ forward over the compressed prompt; see `surprisal`.
 
 from __future__ import annotations
 
+import json
+
 import os
 import warnings
 from pathlib import Path
@@ -30,7 +32,7 @@ from ..capture import clock, decoder, replay
 from .base import Compressed, Context, dynamic_from_capture
 
 REPO = Path(__file__).resolve().parents[2]
-NOT_CONFIG = {"kind", "bases", "impl", "preset"}
+NOT_CONFIG = {"kind", "bases", "impl", "preset", "layer_scales"}
 SURPRISAL = "eval_surprisal"  # registered (once) when a method spec names it; never by importing this module
 _surprisal: dict = {"current": None}  # the surprisal [S] of the prompt being coded, set only around its replay
 
@@ -77,6 +79,10 @@ class VarRateMethod:
         key = (ctx.model_name, self.spec.get("bases", default))
         if key not in self._bases:
             self._bases[key] = resolve_bases(ctx.model, *key)
+            if "layer_scales" in self.spec:  # experimental: measured per-layer budget scales (layer_sensitivity.py)
+                with open(self.spec["layer_scales"]) as f:
+                    scales = {int(i): float(s) for i, s in json.load(f)["scales"].items()}
+                self._bases[key].layer_share = lambda i, config, scales=scales: scales[i]
         return self._bases[key]
 
     def compress(self, ctx: Context, default_bases: str = "shipped") -> Compressed:

@@ -290,7 +290,8 @@ def _layout(keys, basis, config: VarRateConfig, layer_share=None) -> tuple[Promp
     if layer_share is not None and total > 0 and n_coded:
         flat = total / n_coded
         floor = max(config.r_min, math.floor(flat / 2))
-        total = math.floor(total * budget_scale(*layer_share, flat=flat, floor=floor))
+        scale = layer_share if isinstance(layer_share, float) else budget_scale(*layer_share, flat=flat, floor=floor)
+        total = math.floor(total * scale)
     empty = torch.empty(0, dtype=torch.int16, device=keys.device)
     code = PromptCode(seq_len, stride, config.window, empty.view(0, 1), empty, empty.to(keys.dtype),
                       width, keys.element_size())
