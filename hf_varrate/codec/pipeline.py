@@ -91,7 +91,8 @@ def compress_prompt(keys, values, queries, cos, sin, basis, config: VarRateConfi
     z_t after; `basis` is then the basis of that scaled space. Returns (code, keys_hat, values_hat);
     the reconstruction [1, H, S, d] equals `decode_prompt(code, ...)` bit for bit, and is None when
     not asked for or stored exactly. `layer_share` = (energies [L, R], this layer's row) scales the
-    coefficient budget by `layer_budget.budget_scale` (per-layer budgets; None: the uniform Eq. 3).
+    coefficient budget by `layer_budget.budget_scale` (per-layer budgets; None: the uniform Eq. 3); a float
+    scales it directly (the evaluation's measured per-layer budgets, evaluation/layer_sensitivity.py).
     """
     code, rank, total = _layout(keys, basis, config, layer_share)
     if code.stored_exactly:
