@@ -31,7 +31,7 @@ from hf_varrate.models import load_default_model
 
 from .capture import capture, full_attention_layers, replay
 from .generate import feed
-from .methods.base import dynamic_from_capture
+from .methods.base import Context, dynamic_from_capture
 from .methods.varrate import VarRateMethod
 
 
@@ -99,8 +99,6 @@ def main(argv=None) -> None:
         captured = capture(model, ids)
         reference = probe_logprobs(model, captured, None, None, probe, len(ids))
         for s in levels:
-            from .methods.base import Context
-
             bases = method.bases(Context(model, tokenizer, args.model, captured, ids), "shipped")
             bases.layer_share = lambda i, config, s=s: s
             cache = VarRateCache(bases, method.config_for(bases), model_config=model.config)

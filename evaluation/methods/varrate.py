@@ -17,7 +17,6 @@ forward over the compressed prompt; see `surprisal`.
 from __future__ import annotations
 
 import json
-
 import os
 import warnings
 from pathlib import Path
