@@ -16,9 +16,9 @@ Then a multiple-choice knapsack picks one scale per layer minimizing the summed 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -31,21 +31,34 @@ from hf_varrate.models import load_default_model
 
 from .capture import capture, full_attention_layers, replay
 from .generate import feed
-from .methods.base import Context, dynamic_from_capture
-from .methods.varrate import VarRateMethod
+from .methods.base import dynamic_from_capture
+from .methods.varrate import VarRateMethod, resolve_bases
 
 
-def probe_logprobs(model, captured, keys, values, probe: list[int], start: int) -> torch.Tensor:
-    cache = dynamic_from_capture(model, captured if keys is None else _swap(captured, keys, values))
+def probe_logprobs(model, captured, probe: list[int], start: int, keys=None, values=None) -> torch.Tensor:
+    """Log-probs [P, V] of `probe` after the captured prompt, read through a DynamicCache holding the captured
+    K/V with the layers in `keys` / `values` ({layer: tensor}) swapped for those."""
+    if keys:
+        captured = replace(captured, keys=[keys.get(i, k) for i, k in enumerate(captured.keys)],
+                           values=[values.get(i, v) for i, v in enumerate(captured.values)])
     with torch.no_grad():
-        return F.log_softmax(feed(model, cache, probe, start, logits_to_keep=0)[0].float(), dim=-1)
+        logits = feed(model, dynamic_from_capture(model, captured), probe, start, logits_to_keep=0)
+    return F.log_softmax(logits[0].float(), dim=-1)
 
 
-def _swap(captured, keys: dict, values: dict):
-    out = copy.copy(captured)
-    out.keys = [keys.get(i, k) for i, k in enumerate(captured.keys)]
-    out.values = [values.get(i, v) for i, v in enumerate(captured.values)]
-    return out
+def mean_kl(hybrid: torch.Tensor, reference: torch.Tensor) -> float:
+    """KL(reference || hybrid) per probe token."""
+    return float(F.kl_div(hybrid, reference, log_target=True, reduction="batchmean"))
+
+
+def reconstructed(bases, config, model, captured, share, layers) -> tuple[dict, dict]:
+    """Every compressed layer's K/V as a VarRateCache with per-layer budget scales `share(layer)` rebuilds them."""
+    bases.layer_share = lambda i, config: share(i)
+    cache = VarRateCache(bases, config, model_config=model.config)
+    replay(cache, model, captured)
+    read = {i: cache.layers[i].read() for i in layers}
+    return ({i: k.to(captured.keys[i].dtype) for i, (k, _) in read.items()},
+            {i: v.to(captured.values[i].dtype) for i, (_, v) in read.items()})
 
 
 def allocate(kl: dict[int, dict[float, float]], levels: list[float]) -> dict[int, float]:
@@ -86,44 +99,32 @@ def main(argv=None) -> None:
     model, tokenizer = load_default_model(args.model)
     spec = {"kind": "varrate", "preset": args.preset, "budget_dtype": "float16", "budget": args.budget,
             "projection_dtype": "float32"}
-    method = VarRateMethod("probe", spec)
+    bases = resolve_bases(model, args.model, "shipped")
+    config = VarRateMethod("probe", spec).config_for(bases)
     texts = load_texts(split="calibration")
-    contexts = build_contexts(tokenizer, texts.documents, args.contexts, args.length)
     layers = full_attention_layers(model)
-    kl = {i: {s: 0.0 for s in levels} for i in layers}
-    started = time.time()
-    for c, ids in enumerate(contexts):
-        ids = ids.tolist()
-        middle = len(ids) // 2
-        probe = ids[middle : middle + args.probe]
-        captured = capture(model, ids)
-        reference = probe_logprobs(model, captured, None, None, probe, len(ids))
-        for s in levels:
-            bases = method.bases(Context(model, tokenizer, args.model, captured, ids), "shipped")
-            bases.layer_share = lambda i, config, s=s: s
-            cache = VarRateCache(bases, method.config_for(bases), model_config=model.config)
-            replay(cache, model, captured)
-            for i in layers:
-                k, v = cache.layers[i].read()
-                k, v = k.to(captured.keys[i].dtype), v.to(captured.values[i].dtype)
-                hybrid = probe_logprobs(model, captured, {i: k}, {i: v}, probe, len(ids))
-                kl[i][s] += float(F.kl_div(hybrid, reference, log_target=True, reduction="batchmean")) / len(contexts)
-            print(f"context {c} scale {s}: {time.time() - started:.0f} s", flush=True)
-    scales = allocate(kl, levels)
-    check = {"uniform": 0.0, "allocated": 0.0}  # every layer compressed at once: is the summed KL a fair proxy?
-    for ids in contexts:
+    prompts = []  # (ids, probe, capture, the full cache's log-probs) per context
+    for ids in build_contexts(tokenizer, texts.documents, args.contexts, args.length):
         ids = ids.tolist()
         probe = ids[len(ids) // 2 : len(ids) // 2 + args.probe]
         captured = capture(model, ids)
-        reference = probe_logprobs(model, captured, None, None, probe, len(ids))
-        for name, share in (("uniform", lambda i, config: 1.0), ("allocated", lambda i, config: scales[i])):
-            bases.layer_share = share
-            cache = VarRateCache(bases, method.config_for(bases), model_config=model.config)
-            replay(cache, model, captured)
-            keys = {i: cache.layers[i].read()[0].to(captured.keys[i].dtype) for i in layers}
-            values = {i: cache.layers[i].read()[1].to(captured.values[i].dtype) for i in layers}
-            hybrid = probe_logprobs(model, captured, keys, values, probe, len(ids))
-            check[name] += float(F.kl_div(hybrid, reference, log_target=True, reduction="batchmean")) / len(contexts)
+        prompts.append((ids, probe, captured, probe_logprobs(model, captured, probe, len(ids))))
+    kl = {i: {s: 0.0 for s in levels} for i in layers}
+    started = time.time()
+    for c, (ids, probe, captured, reference) in enumerate(prompts):
+        for s in levels:
+            keys, values = reconstructed(bases, config, model, captured, lambda i, s=s: s, layers)
+            for i in layers:
+                hybrid = probe_logprobs(model, captured, probe, len(ids), {i: keys[i]}, {i: values[i]})
+                kl[i][s] += mean_kl(hybrid, reference) / len(prompts)
+            print(f"context {c} scale {s}: {time.time() - started:.0f} s", flush=True)
+    scales = allocate(kl, levels)
+    check = {"uniform": 0.0, "allocated": 0.0}  # every layer compressed at once: is the summed KL a fair proxy?
+    for ids, probe, captured, reference in prompts:
+        for name, share in (("uniform", lambda i: 1.0), ("allocated", lambda i: scales[i])):
+            keys, values = reconstructed(bases, config, model, captured, share, layers)
+            hybrid = probe_logprobs(model, captured, probe, len(ids), keys, values)
+            check[name] += mean_kl(hybrid, reference) / len(prompts)
     print("all layers compressed, mean KL:", check, flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"model": args.model, "length": args.length, "budget": args.budget,
