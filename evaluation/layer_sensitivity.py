@@ -1,13 +1,10 @@
-"""EXPERIMENT: per-layer budgets from measured sensitivity (not in the library).
+"""Per-layer budgets from measured sensitivity, for the evaluation: the scales a method's `layer_scales:` reads.
 
-For each compressed layer l and budget scale s (a multiple of the uniform coefficient budget), compress
-layer l alone at s (every other layer exact) and measure how far the model's next-token distribution on a
-probe moves from the full cache's: mean KL(full || hybrid) over the probe tokens. The contexts are
-calibration text (wiki, calibration split: no task data); the probe is a span of the context repeated after
-it, so the model must read it back from the cache (the reuse regime's retrieval). A prefill compresses every
-layer from the exact prefill's K/V, so one compressed cache at scale s gives every layer's reconstruction.
-Then a multiple-choice knapsack picks one scale per layer minimizing the summed KL with the scales averaging 1
-(the same bytes as uniform), and writes {"scales": {layer: s}, ...} for a method's `layer_scales:`.
+The measurement is the library's (`hf_varrate.calibration.sensitivity`, what `hf-varrate measure-layers` writes into
+bases for `layer_budgets="measured"`): per compressed layer and scale s of the uniform coefficient budget, the
+mean KL of the next-token distribution on a span of each calibration context read back after it, with that layer
+alone coded at s. `codec.layer_budget.measured_scales` picks one scale per layer at the uniform bytes. This script
+adds a check of the proxy, every layer coded at once (uniform against allocated), and writes {"scales", "kl", ...}.
 
     python -m evaluation.layer_sensitivity --model smollm2-135m-instruct --length 2048 --budget 0.2 \\
         --out evaluation/runs/sensitivity/smollm2_0.2.json
@@ -17,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -26,6 +22,7 @@ import torch.nn.functional as F
 
 from hf_varrate import VarRateCache
 from hf_varrate.calibration.contexts import build_contexts
+from hf_varrate.calibration.sensitivity import measure_sensitivity, scales_of
 from hf_varrate.calibration.texts import load_texts
 from hf_varrate.models import load_default_model
 
@@ -61,27 +58,6 @@ def reconstructed(bases, config, model, captured, share, layers) -> tuple[dict, 
             {i: v.to(captured.values[i].dtype) for i, (_, v) in read.items()})
 
 
-def allocate(kl: dict[int, dict[float, float]], levels: list[float]) -> dict[int, float]:
-    """One level per layer, mean exactly 1 (levels on a grid of `unit`), least summed KL (a DP)."""
-    layers = sorted(kl)
-    unit = min(b - a for a, b in zip(levels, levels[1:]))
-    steps = {s: round(s / unit) for s in levels}
-    target = round(len(layers) / unit)
-    best = {0: (0.0, [])}
-    for layer in layers:
-        nxt = {}
-        for used, (cost, picks) in best.items():
-            for s in levels:
-                u = used + steps[s]
-                if u > target:
-                    continue
-                c = cost + kl[layer][s]
-                if u not in nxt or c < nxt[u][0]:
-                    nxt[u] = (c, picks + [s])
-        best = nxt
-    return dict(zip(layers, best[target][1]))
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
@@ -103,28 +79,21 @@ def main(argv=None) -> None:
     config = VarRateMethod("probe", spec).config_for(bases)
     texts = load_texts(split="calibration")
     layers = full_attention_layers(model)
-    prompts = []  # (ids, probe, capture, the full cache's log-probs) per context
-    for ids in build_contexts(tokenizer, texts.documents, args.contexts, args.length):
+    contexts = build_contexts(tokenizer, texts.documents, args.contexts, args.length)
+    measured = measure_sensitivity(model, bases, contexts, [args.budget], levels=levels, probe=args.probe,
+                                   preset=args.preset, projection_dtype="float32")
+    kl = {int(i): dict(zip(levels, row)) for i, row in measured["kl"][repr(args.budget)].items()}
+    scales = scales_of(measured)[repr(args.budget)]
+    check = {"uniform": 0.0, "allocated": 0.0}  # every layer compressed at once: is the summed KL a fair proxy?
+    for ids in contexts:
         ids = ids.tolist()
         probe = ids[len(ids) // 2 : len(ids) // 2 + args.probe]
         captured = capture(model, ids)
-        prompts.append((ids, probe, captured, probe_logprobs(model, captured, probe, len(ids))))
-    kl = {i: {s: 0.0 for s in levels} for i in layers}
-    started = time.time()
-    for c, (ids, probe, captured, reference) in enumerate(prompts):
-        for s in levels:
-            keys, values = reconstructed(bases, config, model, captured, lambda i, s=s: s, layers)
-            for i in layers:
-                hybrid = probe_logprobs(model, captured, probe, len(ids), {i: keys[i]}, {i: values[i]})
-                kl[i][s] += mean_kl(hybrid, reference) / len(prompts)
-            print(f"context {c} scale {s}: {time.time() - started:.0f} s", flush=True)
-    scales = allocate(kl, levels)
-    check = {"uniform": 0.0, "allocated": 0.0}  # every layer compressed at once: is the summed KL a fair proxy?
-    for ids, probe, captured, reference in prompts:
+        reference = probe_logprobs(model, captured, probe, len(ids))
         for name, share in (("uniform", lambda i: 1.0), ("allocated", lambda i: scales[i])):
             keys, values = reconstructed(bases, config, model, captured, share, layers)
             hybrid = probe_logprobs(model, captured, probe, len(ids), keys, values)
-            check[name] += mean_kl(hybrid, reference) / len(prompts)
+            check[name] += mean_kl(hybrid, reference) / len(contexts)
     print("all layers compressed, mean KL:", check, flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"model": args.model, "length": args.length, "budget": args.budget,

@@ -64,7 +64,42 @@ def check_metadata(meta) -> dict:
     check_layout(meta)
     check_calibration_fields(meta)
     check_tuned(meta)
+    check_sensitivity(meta)
     return meta
+
+
+def check_sensitivity(meta: dict) -> None:
+    """The optional `layer_sensitivity` field (`hf_varrate.calibration.sensitivity`): sorted positive levels with 1
+    among them, and per measured budget in (0, 1) a finite, non-negative KL per level for every compressed layer."""
+    measured = meta.get("layer_sensitivity")
+    if measured is None:
+        return
+    fix = "measure again with `hf-varrate measure-layers` or remove the field"
+    levels = measured.get("levels") if isinstance(measured, dict) else None
+    if (not isinstance(levels, list) or not levels or not all(_number(s) and s > 0 for s in levels)
+            or levels != sorted(set(levels)) or 1.0 not in levels):
+        raise BasesError(f"{CONFIG_NAME} field layer_sensitivity.levels must be sorted distinct positive numbers with "
+                         f"1 among them, got {levels!r:.200}; {fix}")
+    curves = measured.get("kl")
+    layers = {str(i) for i in meta["compressed_layers"]}
+    if not isinstance(curves, dict) or not curves:
+        raise BasesError(f"{CONFIG_NAME} field layer_sensitivity.kl must map budgets to per-layer curves, got "
+                         f"{curves!r:.200}; {fix}")
+    for budget, rows in curves.items():
+        try:
+            valid = 0 < float(budget) < 1
+        except ValueError:
+            valid = False
+        if not valid or not isinstance(rows, dict) or set(rows) != layers or not all(
+                isinstance(row, list) and len(row) == len(levels) and all(_number(x) and 0 <= x < float("inf")
+                                                                          for x in row) for row in rows.values()):
+            raise BasesError(f"{CONFIG_NAME} field layer_sensitivity.kl[{budget!r}] must map every compressed layer "
+                             f"{sorted(layers, key=int)} to {len(levels)} finite KLs >= 0 (one per level), and its "
+                             f"budget must be in (0, 1); {fix}")
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def check_tuned(meta: dict) -> None:

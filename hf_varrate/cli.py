@@ -1,12 +1,13 @@
-"""The `hf-varrate` command: `calibrate`, `push` and `demo`.
+"""The `hf-varrate` command: `calibrate`, `measure-layers`, `push` and `demo`.
 
     hf-varrate calibrate --model smollm2-135m-instruct --out my-bases
+    hf-varrate measure-layers my-bases --model smollm2-135m-instruct [--budgets 0.1,0.2]
     hf-varrate push my-bases your-name/smollm2-135m-instruct-varrate [--private] [--revision BRANCH]
         [--subfolder DIR] [--create-pr]
     hf-varrate demo [--storage compact] [--question "..."]
     hf-varrate --version
 
-`calibrate` and `demo` own their arguments (`hf-varrate calibrate --help`); they are imported only
+`calibrate`, `measure-layers` and `demo` own their arguments (`hf-varrate calibrate --help`); they are imported only
 when asked for, so `hf-varrate push` and `--help` do not load torch's model code.
 """
 
@@ -26,6 +27,10 @@ def main(argv: list[str] | None = None) -> int:
         from .calibration.__main__ import main as calibrate_main
 
         return calibrate_main(argv[1:], prog=f"{PROG} calibrate")
+    if argv and argv[0] == "measure-layers":
+        from .calibration.sensitivity import main as measure_main
+
+        return measure_main(argv[1:], prog=f"{PROG} measure-layers")
     if argv and argv[0] == "demo":
         from .demo import main as demo_main
 
@@ -40,8 +45,10 @@ def main(argv: list[str] | None = None) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="VarRate KV-cache compression for transformers")
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="{calibrate,push,demo}")
+    commands = parser.add_subparsers(dest="command", metavar="{calibrate,measure-layers,push,demo}")
     commands.add_parser("calibrate", help="build bases for a model (hf-varrate calibrate --help)", add_help=False)
+    commands.add_parser("measure-layers", help="measure each layer's sensitivity into a bases folder, for "
+                        "layer_budgets='measured' (hf-varrate measure-layers --help)", add_help=False)
     push_parser = commands.add_parser("push", help="upload a bases folder to the Hugging Face Hub")
     push_parser.add_argument("folder", help="folder holding bases.safetensors, config.json and README.md")
     push_parser.add_argument("repo_id", help="Hub repo to create or update, e.g. your-name/model-varrate")

@@ -211,7 +211,9 @@ class VarRateConfig:
                   "help": "'uniform': every layer gets the budget (the paper); 'spectrum': the layers share their "
                   "coefficient bytes by their calibration spectra, each keeping the directions above one common "
                   "share of its residual energy (at least half the flat rank), so that rank goes where it removes "
-                  "the most relative error (needs bases with a spectrum)."},
+                  "the most relative error (needs bases with a spectrum); 'measured': each layer's budget is scaled "
+                  "(0.5-2x, the same bytes in all) to where its error moves the model's predictions most, as measured "
+                  "on calibration text at the nearest budget the bases record (`hf-varrate measure-layers`)."},
     )
 
     def __new__(cls, *args, **kwargs):

@@ -17,6 +17,8 @@ loading the same folder make one set of copies per device, held while any of the
 from __future__ import annotations
 
 import hashlib
+import math
+import warnings
 import weakref
 from typing import NamedTuple
 
@@ -26,8 +28,8 @@ from .codec import tensor_bytes
 from .codec.attend import paired_columns
 from .codec.balance import balanced_basis, balanced_spectrum
 from .codec.basis_bits import Int8Basis, basis_tensors, held_basis, readable
-from .codec.layer_budget import energy_shares
-from .errors import BasesError
+from .codec.layer_budget import energy_shares, measured_scales
+from .errors import BasesError, VarRateWarning
 from .stored import tensor_digest
 
 
@@ -74,6 +76,7 @@ class CodingSpaces:
     def __init__(self, bases):
         self.bases = bases
         self._copies: DerivedCopies | None = None
+        self._measured: dict[float, dict[int, float]] = {}  # budget -> per-layer scales (from metadata: not shared)
 
     @property
     def copies(self) -> DerivedCopies:
@@ -187,10 +190,32 @@ class CodingSpaces:
             self.copies.energies[(balance, key_weight)] = energy_shares(spectra), {i: row for row, i in enumerate(layers)}
         return self.copies.energies[(balance, key_weight)]
 
-    def layer_share(self, layer_idx: int, config) -> tuple[torch.Tensor, int] | None:
+    def layer_share(self, layer_idx: int, config) -> tuple[torch.Tensor, int] | float | None:
         """What `compress_prompt(layer_share=...)` takes for layer `layer_idx` under `config.layer_budgets`
-        ('spectrum': the coding spaces' energies and this layer's row; 'uniform': None)."""
+        ('spectrum': the coding spaces' energies and this layer's row; 'measured': this layer's scale; 'uniform':
+        None)."""
         if config.layer_budgets == "uniform":
             return None
+        if config.layer_budgets == "measured":
+            return self.measured_scales(config.budget)[layer_idx]
         energies, rows = self.coding_energies(config.balance, config.key_weight)
         return energies, rows[layer_idx]
+
+    def measured_scales(self, budget: float) -> dict[int, float]:
+        """{layer: scale} from the bases' measured sensitivity (`codec.layer_budget.measured_scales`) at the measured
+        budget nearest `budget` (in ratio); a VarRateWarning, once, when that is more than 1.5x away."""
+        if budget not in self._measured:
+            measured = self.bases.metadata.get("layer_sensitivity")
+            if not measured:
+                raise ValueError(
+                    "layer_budgets='measured' needs bases that carry a per-layer sensitivity measurement (config.json "
+                    "field layer_sensitivity), and these carry none; add one with `hf-varrate measure-layers "
+                    "<bases folder> --model <model>` or use layer_budgets='uniform'")
+            nearest = min(measured["kl"], key=lambda b: abs(math.log(float(b) / budget)))
+            if abs(math.log(float(nearest) / budget)) > math.log(1.5):
+                warnings.warn(f"layer_budgets='measured': these bases were measured at budgets {sorted(measured['kl'])}"
+                              f"; budget={budget} uses the scales of {nearest}. Measure at {budget} for better ones "
+                              f"(hf-varrate measure-layers ... --budgets {budget})", VarRateWarning, stacklevel=4)
+            curves = {int(i): row for i, row in measured["kl"][nearest].items()}
+            self._measured[budget] = measured_scales(curves, measured["levels"])
+        return self._measured[budget]

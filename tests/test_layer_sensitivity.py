@@ -1,26 +1,28 @@
-"""The measured per-layer budgets experiment (evaluation/layer_sensitivity.py): the knapsack that picks one
-budget scale per layer at the uniform bytes, and the float `layer_share` the codec scales its budget by."""
+"""Per-layer budgets from measured sensitivity (layer_budgets="measured"), on tiny models: the knapsack that picks
+one budget scale per layer at the uniform bytes, the measurement that writes the curves into the bases, and the
+cache that codes with them."""
 
 import math
+import warnings
 
 import pytest
 import torch
 
-from hf_varrate import VarRateConfig
+from hf_varrate import Bases, VarRateCache, VarRateConfig, bound
+from hf_varrate.codec.layer_budget import measured_scales
+from hf_varrate.errors import BasesError, VarRateWarning
+
+LEVELS = [0.5, 1.0, 1.5, 2.0]
+FLAT = [0.01, 0.01, 0.01, 0.01]  # a layer that barely cares
+STEEP = [1.0, 0.5, 0.2, 0.1]
 
 
 def test_the_allocation_keeps_the_mean_at_one_and_gives_budget_where_it_removes_most_kl():
-    from evaluation.layer_sensitivity import allocate
-
-    levels = [0.5, 1.0, 1.5, 2.0]
-    flat = {s: 0.01 for s in levels}  # a layer that barely cares
-    steep = {0.5: 1.0, 1.0: 0.5, 1.5: 0.2, 2.0: 0.1}
-    scales = allocate({0: flat, 1: steep, 2: flat, 3: dict(steep)}, levels)
+    scales = measured_scales({0: FLAT, 1: STEEP, 2: FLAT, 3: list(STEEP)}, LEVELS)
     assert sum(scales.values()) == pytest.approx(len(scales))  # the same bytes as uniform
     assert scales[1] == scales[3] == 1.5 and scales[0] == scales[2] == 0.5
-    convex = {i: dict(steep) for i in range(3)}  # equal convex curves: nothing beats the uniform scales
-    picked = allocate(convex, levels)
-    assert sum(steep[picked[i]] for i in range(3)) <= 3 * steep[1.0]
+    picked = measured_scales({i: list(STEEP) for i in range(3)}, LEVELS)  # equal convex curves
+    assert sum(STEEP[LEVELS.index(picked[i])] for i in range(3)) <= 3 * STEEP[1]
 
 
 def test_a_float_layer_share_scales_the_coefficient_budget():
@@ -32,3 +34,108 @@ def test_a_float_layer_share_scales_the_coefficient_budget():
     _, _, half = _layout(keys, basis, config, 0.5)
     _, _, same = _layout(keys, basis, config, 1.0)
     assert total > 0 and same == total and half == math.floor(total * 0.5)
+
+
+def tiny_bases(model_config, curves: dict | None = None) -> Bases:
+    """Identity bases with a short window (so a 400-token prompt is mostly coded), measured at 0.3 if `curves`."""
+    bases = Bases.identity(model_config)
+    bases.metadata.update(stride=16, window=16, n_anchors=4)
+    if curves is not None:
+        bases.metadata["layer_sensitivity"] = {"levels": LEVELS, "kl": {"0.3": {str(i): c for i, c in curves.items()}}}
+    return bases
+
+
+def coded_ranks(model, bases, ids, **settings) -> tuple[list[int], VarRateCache]:
+    cache = VarRateCache(bases, model=model, budget=0.3, signal="uniform", r_min=4, window=16, **settings)
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache)
+    cache.compress()
+    return [int(cache.layers[i].codes[0].ranks.long().sum()) for i in (0, 1)], cache
+
+
+def test_measured_layer_budgets_move_rank_to_the_sensitive_layer_at_the_same_bytes(tiny_llama):
+    bases = tiny_bases(tiny_llama.config, {0: FLAT, 1: STEEP})
+    ids = torch.randint(2, 128, (1, 400), generator=torch.Generator().manual_seed(0))
+    uniform, _ = coded_ranks(tiny_llama, bases, ids)
+    measured, cache = coded_ranks(tiny_llama, bases, ids, layer_budgets="measured")
+    assert measured[1] > uniform[1] and measured[0] < uniform[0]
+    assert sum(measured) <= sum(uniform)  # moved, not added
+    assert cache.footprint().prompt_fraction <= 0.3 + 1e-9
+    assert bases.spaces.measured_scales(0.3) == {0: 0.5, 1: 1.5}
+
+
+def test_measured_layer_budgets_need_a_measurement_and_warn_far_from_it(tiny_llama):
+    ids = torch.randint(2, 128, (1, 400), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="layer_sensitivity.*hf-varrate measure-layers.*layer_budgets='uniform'"):
+        coded_ranks(tiny_llama, tiny_bases(tiny_llama.config), ids, layer_budgets="measured")
+    bases = tiny_bases(tiny_llama.config, {0: FLAT, 1: STEEP})
+    with pytest.warns(VarRateWarning, match=r"measured at budgets \['0.3'\]; budget=0.1 uses the scales of 0.3"):
+        bases.spaces.measured_scales(0.1)
+    with warnings.catch_warnings():  # near a measured budget: no warning
+        warnings.simplefilter("error", VarRateWarning)
+        assert bases.spaces.measured_scales(0.25) == bases.spaces.measured_scales(0.3)
+
+
+def test_measurement_writes_curves_that_survive_a_save_and_drive_the_cache(tiny_gemma3, tmp_path):
+    from hf_varrate.calibration.sensitivity import measure_sensitivity, scales_of, write_measurement
+
+    bases = tiny_bases(tiny_gemma3.config)
+    contexts = [torch.randint(2, 128, (400,), generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    measured = measure_sensitivity(tiny_gemma3, bases, contexts, [0.3], probe=32, preset="paper", r_min=4,
+                                   signal="uniform", progress=False, metadata={"data": "random ids"})
+    curves = measured["kl"]["0.3"]
+    assert set(curves) == {"1", "3"} and all(len(row) == 4 and min(row) >= 0 for row in curves.values())
+    assert sum(row[0] for row in curves.values()) > sum(row[-1] for row in curves.values())  # less budget, more KL
+    assert measured["settings"] == {"budget_dtype": "float16", "r_min": 4, "signal": "uniform"}
+    assert measured["data"] == "random ids" and measured["context_length"] == 400
+    folder = bases.save_pretrained(tmp_path / "bases", dtype=torch.float32)
+    tensors = (folder / "bases.safetensors").read_bytes()
+    write_measurement(folder, measured)
+    assert (folder / "bases.safetensors").read_bytes() == tensors  # only config.json and the card change
+    loaded = Bases.from_pretrained(folder)
+    assert loaded.metadata["layer_sensitivity"] == measured
+    scales = scales_of(measured)["0.3"]
+    assert sum(scales.values()) == pytest.approx(2) and loaded.spaces.measured_scales(0.3) == scales
+    card = (tmp_path / "bases" / "README.md").read_text()
+    assert "measured per-layer budget scales at 0.3" in card
+    footprints = {}
+    for mode in ("uniform", "measured"):
+        cache = VarRateCache(loaded, model=tiny_gemma3, budget=0.3, r_min=4, window=16, layer_budgets=mode)
+        with bound(tiny_gemma3), torch.no_grad():
+            tiny_gemma3(input_ids=contexts[0][None], past_key_values=cache)
+        footprints[mode] = cache.footprint().bytes
+    assert footprints["measured"] <= footprints["uniform"] * 1.01  # bytes moved between layers, not added
+
+
+def test_a_level_that_cannot_be_coded_is_an_error_not_a_free_choice(tiny_llama):
+    from hf_varrate.calibration.sensitivity import measure_sensitivity
+
+    contexts = [torch.randint(2, 128, (400,), generator=torch.Generator().manual_seed(1))]
+    with pytest.raises(ValueError, match="layer 0 could not be coded.*levels >= 1"), pytest.warns(VarRateWarning):
+        measure_sensitivity(tiny_llama, tiny_bases(tiny_llama.config), contexts, [0.3], levels=[0.05, 1.0], probe=16,
+                            preset="paper", r_min=16, progress=False)
+
+
+@pytest.mark.parametrize("field, message", [
+    ({"levels": [0.5, 2.0], "kl": {"0.3": {"0": [0, 0], "1": [0, 0]}}}, "layer_sensitivity.levels"),
+    ({"levels": LEVELS, "kl": {"0.3": {"0": FLAT}}}, r"layer_sensitivity.kl\['0.3'\] must map every compressed layer"),
+    ({"levels": LEVELS, "kl": {"1.5": {"0": FLAT, "1": FLAT}}}, "budget must be in"),
+    ({"levels": LEVELS, "kl": {"0.3": {"0": FLAT, "1": [0.1, -1, 0, 0]}}}, "finite KLs >= 0"),
+])
+def test_a_bad_layer_sensitivity_field_is_named(tiny_llama, tmp_path, field, message):
+    bases = tiny_bases(tiny_llama.config)
+    bases.metadata["layer_sensitivity"] = field
+    with pytest.raises(BasesError, match=message):
+        bases.save_pretrained(tmp_path / "bases")
+
+
+def test_the_command_is_listed_and_documents_itself(capsys):
+    from hf_varrate.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["measure-layers", "--help"])
+    assert exit_info.value.code == 0
+    assert "hf-varrate measure-layers" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "measure-layers" in capsys.readouterr().out

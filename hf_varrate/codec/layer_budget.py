@@ -1,4 +1,5 @@
-"""Per-layer budgets from the calibration spectra (`VarRateConfig.layer_budgets="spectrum"`).
+"""Per-layer budgets: from the calibration spectra (`VarRateConfig.layer_budgets="spectrum"`), or from each
+layer's measured sensitivity (`"measured"`, `measured_scales`).
 
 Under Eq. 3 every layer gets the same coefficient budget. With flat ranks rho_l, layer l loses the
 share sum_{j >= rho_l} e_lj of its calibration residual energy (e_lj = s_lj^2 / sum_j s_lj^2,
@@ -9,6 +10,11 @@ error. A layer whose energy sits in a few directions it already keeps gives rank
 energy is spread past the flat rank. Every layer keeps at least half the flat rank, so that no
 layer's codes starve when the spectra are far apart. Training-free: the spectra ship with the bases
 (`spectrum.<i>`), and the balanced space's come from the same moment.
+
+Measured: the bases carry, per budget, each layer's next-token KL against the full cache with that layer alone
+coded at a few multiples ("levels") of the uniform budget (`hf_varrate.calibration.sensitivity`). A
+multiple-choice knapsack then picks one level per layer, least summed KL, with the levels averaging exactly 1:
+the same bytes as uniform budgets, moved to the layers whose error moves the model most.
 
 Shapes: energies [L, R] fp64 (rows descending, each summing to 1), ranks [L].
 """
@@ -44,3 +50,21 @@ def budget_scale(energies: torch.Tensor, row: int, flat: float, floor: int) -> f
     ranks = layer_ranks(energies, flat, floor).double()
     total = float(ranks.sum())
     return float(ranks[row]) * ranks.numel() / total if total > 0 else 1.0
+
+
+def measured_scales(kl: dict[int, list[float]], levels: list[float]) -> dict[int, float]:
+    """{layer: level} averaging exactly 1 with the least summed KL (`kl[layer][j]`: KL at `levels[j]`; the levels
+    sorted, 1 among them, on a grid of their smallest gap). A dynamic program over the bytes used, in grid units."""
+    unit = min(b - a for a, b in zip(levels, levels[1:])) if len(levels) > 1 else 1.0
+    steps = [round(level / unit) for level in levels]
+    target = round(len(kl) / unit)
+    best: dict[int, tuple[float, list[float]]] = {0: (0.0, [])}
+    for layer in sorted(kl):
+        reached: dict[int, tuple[float, list[float]]] = {}
+        for used, (cost, picks) in best.items():
+            for level, step, loss in zip(levels, steps, kl[layer]):
+                total = used + step
+                if total <= target and (total not in reached or cost + loss < reached[total][0]):
+                    reached[total] = (cost + loss, picks + [level])
+        best = reached
+    return dict(zip(sorted(kl), best[target][1]))
