@@ -286,6 +286,20 @@ def test_command_line_without_held_out_text_skips_the_measurement(tmp_path, tiny
     assert "quality" not in Bases.from_pretrained(tmp_path / "out").metadata
 
 
+def test_command_line_measures_layer_sensitivity_into_the_saved_bases(tmp_path, tiny_llama, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "load_model", lambda args: (tiny_llama, CharTokenizer(), {}))
+    (tmp_path / "t.json").write_text(json.dumps(["calibration text, and more of it " * 40] * 6))
+    argv = ["--texts", str(tmp_path / "t.json"), "--num-contexts", "2", "--context-length", "300", "--window", "16",
+            "--measure-layers", "0.3", "--out", str(tmp_path / "out"), "--quiet"]
+    assert cli.main(argv) == 0
+    assert "budget 0.3: per-layer scales" in capsys.readouterr().out
+    measured = Bases.from_pretrained(tmp_path / "out").metadata["layer_sensitivity"]
+    assert list(measured["kl"]) == ["0.3"] and set(measured["kl"]["0.3"]) == {"0", "1"}
+    assert measured["num_contexts"] == 4 and measured["context_length"] == 300  # measure-layers' defaults, this length
+    assert measured["command"].endswith("--measure-layers 0.3 --out " + str(tmp_path / "out") + " --quiet")
+    assert "measured per-layer budget scales at 0.3" in (tmp_path / "out" / "README.md").read_text()
+
+
 def test_hf_varrate_calibrate_is_the_same_command(monkeypatch):
     from hf_varrate import cli as top
 

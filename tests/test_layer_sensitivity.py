@@ -139,3 +139,10 @@ def test_the_command_is_listed_and_documents_itself(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "measure-layers" in capsys.readouterr().out
+
+
+def test_the_command_refuses_what_is_not_a_bases_folder(tmp_path):
+    from hf_varrate.cli import main
+
+    with pytest.raises(SystemExit, match="is not a bases folder.*copy shipped or downloaded bases into one first"):
+        main(["measure-layers", str(tmp_path / "nowhere"), "--model", "smollm2-135m-instruct"])

