@@ -128,7 +128,8 @@ class Bases:
           statistics than the basis was fitted to);
         - the 'recommended' preset's balance='rms' needs the calibration spectrum; with bases that carry
           none (identity bases, older artifacts) it falls back to balance='none' instead of failing at
-          the prefill. Passing balance= explicitly turns this rule off.
+          the prefill. Passing balance= explicitly turns this rule off. Likewise its layer_budgets='measured'
+          (at budgets of 0.1 or less) falls back to 'uniform' on bases that carry no measurement.
         """
         calibrated = self.calibrated_settings
         changed = {k: v for k, v in overrides.items() if k in calibrated and v != calibrated[k]}
@@ -147,6 +148,14 @@ class Bases:
                 f"with this version (hf-varrate calibrate ...) to get it, or pass balance='none' to silence this",
                 VarRateWarning, stacklevel=stacklevel)
             config = config.replace(balance="none")
+        if config.layer_budgets == "measured" and "layer_budgets" not in overrides and not self.metadata.get(
+                "layer_sensitivity"):
+            warnings.warn(
+                f"preset {preset!r} scales each layer's budget by its measured sensitivity at budget={config.budget}, "
+                f"which these bases do not carry, so every layer gets the same budget. Measure them (hf-varrate "
+                f"measure-layers <folder> --model ...) to get it, or pass layer_budgets='uniform' to silence this",
+                VarRateWarning, stacklevel=stacklevel)
+            config = config.replace(layer_budgets="uniform")
         return config
 
     @property

@@ -239,7 +239,8 @@ class VarRateConfig:
         coefficients at the same bytes, anchors held to a quarter of the budget, key/value balance,
         uniform ranks (under reuse no salience signal we tried beat them), and bf16 projection matmuls where
         the device multiplies bf16 natively. At a budget of 0.1 or less it also shortens the exact window to 16
-        tokens and quantizes coefficients to 3 bits (`low_budget_settings`)."""
+        tokens, quantizes coefficients to 3 bits and scales each layer's budget by its measured sensitivity
+        (`low_budget_settings`; `layer_budgets="measured"` needs bases that carry the measurement)."""
         check_choice("preset", name, PRESETS)
         base = {} if name == "paper" else {**RECOMMENDED_PRESET, **cls.low_budget_settings(name, overrides)}
         return cls(**{**base, **overrides})
@@ -319,5 +320,7 @@ RECOMMENDED_PRESET = {"coef_bits": 4, "quantized_budget": "same_bytes", "anchor_
 # Chosen at budget 0.1 on the development splits of both shipped models, confirmed on held-out ones (SmolLM2 2K
 # needles: +29 points over the preset alone; Gemma-3 4K multi-key: +20; docs/accuracy_dev.md, round 3). At 0.2
 # the short window ties the 64-token one (and never won on Gemma-3), so it applies at 0.1 and below only.
+# Per-layer budgets from measured sensitivity joined later, chosen the same way (Gemma-3 4K multi-key: +20.8 dev,
+# +37.5 held-out; SmolLM2 ties; round 7); bases that carry no measurement keep uniform budgets (`Bases.config`).
 LOW_BUDGET = 0.1
-LOW_BUDGET_PRESET = {"window": 16, "coef_bits": 3}
+LOW_BUDGET_PRESET = {"window": 16, "coef_bits": 3, "layer_budgets": "measured"}

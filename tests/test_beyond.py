@@ -29,25 +29,47 @@ def test_paper_preset_is_the_config_default_and_recommended_preset_turns_options
         VarRateConfig.preset("fast")
 
 
-@pytest.mark.parametrize("budget, window, coef_bits", [(0.2, 64, 4), (0.15, 64, 4), (0.1, 16, 3), (0.05, 16, 3)])
+def measured_like(model_config):
+    """`calibrated_like` bases that also carry a (flat) per-layer sensitivity measurement at 0.1."""
+    bases = calibrated_like(model_config)
+    flat = {str(i): [0.1, 0.0] for i in bases.metadata["compressed_layers"]}
+    bases.metadata["layer_sensitivity"] = {"levels": [0.5, 1.0], "kl": {"0.1": flat}}
+    return bases
+
+
+@pytest.mark.parametrize("budget, window, coef_bits, layers", [(0.2, 64, 4, "uniform"), (0.15, 64, 4, "uniform"),
+                                                               (0.1, 16, 3, "measured"), (0.05, 16, 3, "measured")])
 def test_the_recommended_preset_shortens_the_window_and_quantizes_harder_at_a_tenth_or_less(
-        tmp_path, tiny_llama, budget, window, coef_bits):
-    """At budget 0.1 and below the preset holds 16 exact tokens at the end instead of the bases' 64 and codes 3-bit
-    coefficients, without the warning an override of a calibration setting gets; what the user passes wins, and
-    the paper's preset is untouched."""
+        tmp_path, tiny_llama, budget, window, coef_bits, layers):
+    """At budget 0.1 and below the preset holds 16 exact tokens at the end instead of the bases' 64, codes 3-bit
+    coefficients and gives the layers their measured budgets, without the warning an override of a calibration
+    setting gets; what the user passes wins, and the paper's preset is untouched."""
     import warnings
 
     from hf_varrate import Bases
 
-    calibrated_like(tiny_llama.config).save_pretrained(tmp_path, dtype=torch.float32)
+    measured_like(tiny_llama.config).save_pretrained(tmp_path, dtype=torch.float32)
     bases = Bases.from_pretrained(tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         config = bases.config("recommended", budget=budget)
-    assert (config.window, config.coef_bits) == (window, coef_bits)
+    assert (config.window, config.coef_bits, config.layer_budgets) == (window, coef_bits, layers)
     assert VarRateConfig.preset("recommended", budget=budget).coef_bits == coef_bits
     assert bases.config("recommended", budget=budget, window=64, coef_bits=4).window == 64
-    assert bases.config("paper", budget=budget).window == 64 and bases.config("paper", budget=budget).coef_bits is None
+    assert bases.config("recommended", budget=budget, layer_budgets="uniform").layer_budgets == "uniform"
+    paper = bases.config("paper", budget=budget)
+    assert (paper.window, paper.coef_bits, paper.layer_budgets) == (64, None, "uniform")
+
+
+def test_the_low_budget_preset_keeps_uniform_layer_budgets_on_bases_without_a_measurement(tmp_path, tiny_llama):
+    from hf_varrate import Bases
+
+    calibrated_like(tiny_llama.config).save_pretrained(tmp_path, dtype=torch.float32)
+    bases = Bases.from_pretrained(tmp_path)
+    with pytest.warns(UserWarning, match="measured sensitivity at budget=0.1.*hf-varrate measure-layers"):
+        config = bases.config("recommended", budget=0.1)
+    assert config.layer_budgets == "uniform" and config.coef_bits == 3  # the rest of the low-budget preset stays
+    assert bases.config("recommended", budget=0.1, layer_budgets="measured").layer_budgets == "measured"  # as asked
 
 
 @pytest.mark.parametrize("field, value", [("flat_floor", 1.5), ("flat_floor", -0.1), ("anchor_share", 0.0),
