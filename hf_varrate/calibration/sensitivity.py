@@ -32,8 +32,8 @@ from ..bases_checks import ARTIFACT_FILES, CARD_NAME, CONFIG_NAME, WEIGHTS_NAME,
 from ..binding import bind, is_bound, unbind
 from ..cache import VarRateCache
 from ..card import render_card
-from ..files import replacing_folder
 from ..codec.layer_budget import measured_scales
+from ..files import replacing_folder
 from .contexts import build_contexts
 from .loading import load_model
 from .texts import load_texts
@@ -64,7 +64,8 @@ def measure_sensitivity(model, bases: Bases, contexts: list[torch.Tensor], budge
     for c, ids in enumerate(contexts):
         ids = ids.reshape(-1)
         tokens = ids[len(ids) // 2 : len(ids) // 2 + probe]
-        exact = _prefill(model, ids, DynamicCache())  # every layer at full length, Gemma's sliding ones too
+        full = _prefill(model, ids, DynamicCache())  # every layer at full length, Gemma's sliding ones too
+        exact = {i: (layer.keys, layer.values) for i, layer in enumerate(full.layers)}
         reference = _read_back(model, exact, tokens, len(ids))
         for budget in kl:
             config = bases.config(preset, **{**overrides, "budget": budget, "layer_budgets": "uniform"}, stacklevel=3)
@@ -137,10 +138,9 @@ def _bound(model):
 
 
 def _prefill(model, ids: torch.Tensor, cache):
+    """`cache` after a prefill of `ids`."""
     with torch.no_grad():
         model(input_ids=ids.view(1, -1).to(model.device), past_key_values=cache, use_cache=True)
-    if isinstance(cache, DynamicCache):
-        return {i: (layer.keys, layer.values) for i, layer in enumerate(cache.layers)}
     return cache
 
 
