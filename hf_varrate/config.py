@@ -321,6 +321,7 @@ RECOMMENDED_PRESET = {"coef_bits": 4, "quantized_budget": "same_bytes", "anchor_
 # needles: +29 points over the preset alone; Gemma-3 4K multi-key: +20; docs/accuracy_dev.md, round 3). At 0.2
 # the short window ties the 64-token one (and never won on Gemma-3), so it applies at 0.1 and below only.
 # Per-layer budgets from measured sensitivity joined later, chosen the same way (Gemma-3 4K multi-key: +20.8 dev,
-# +37.5 held-out; SmolLM2 ties; round 7); bases that carry no measurement keep uniform budgets (`Bases.config`).
+# +37.5 held-out; SmolLM2 2K: a tie on dev, +16.7 held-out; at 0.2 they lost two answers held out on SmolLM2 4K:
+# round 7); bases that carry no measurement keep uniform budgets (`Bases.config`).
 LOW_BUDGET = 0.1
 LOW_BUDGET_PRESET = {"window": 16, "coef_bits": 3, "layer_budgets": "measured"}
