@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 from hf_varrate import VarRateCache
 from hf_varrate.calibration.contexts import build_contexts
-from hf_varrate.calibration.sensitivity import measure_sensitivity, scales_of
+from hf_varrate.calibration.sensitivity import measure_sensitivity
+from hf_varrate.codec.layer_budget import recorded_scales
 from hf_varrate.calibration.texts import load_texts
 from hf_varrate.models import load_default_model
 
@@ -83,7 +84,7 @@ def main(argv=None) -> None:
     measured = measure_sensitivity(model, bases, contexts, [args.budget], levels=levels, probe=args.probe,
                                    preset=args.preset, projection_dtype="float32")
     kl = {int(i): dict(zip(levels, row)) for i, row in measured["kl"][repr(args.budget)].items()}
-    scales = scales_of(measured)[repr(args.budget)]
+    scales = recorded_scales(measured)[repr(args.budget)]
     check = {"uniform": 0.0, "allocated": 0.0}  # every layer compressed at once: is the summed KL a fair proxy?
     for ids in contexts:
         ids = ids.tolist()

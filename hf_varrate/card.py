@@ -10,7 +10,7 @@ from importlib import resources
 from string import Template
 
 from .bases_checks import BUILD_HINT, WEIGHTS_NAME
-from .codec.layer_budget import measured_scales
+from .codec.layer_budget import recorded_scales
 from .version import __version__
 
 CARD_TAGS = ["hf_varrate", "varrate", "kv-cache", "kv-cache-compression", "long-context"]
@@ -72,8 +72,7 @@ def _shape_table(meta: dict, spectrum: bool = False) -> str:
     ]
     measured = meta.get("layer_sensitivity")
     if measured:  # what layer_budgets='measured' codes with
-        for budget, curves in sorted(measured["kl"].items(), key=lambda item: float(item[0])):
-            scales = measured_scales({int(i): row for i, row in curves.items()}, measured["levels"])
+        for budget, scales in sorted(recorded_scales(measured).items(), key=lambda item: float(item[0])):
             rows.append((f"measured per-layer budget scales at {budget}",
                          ", ".join(f"{i}: {s:g}" for i, s in sorted(scales.items()))))
     for preset, settings in sorted((meta.get("presets") or {}).items()):  # chosen for this model, held-out confirmed

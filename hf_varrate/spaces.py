@@ -28,7 +28,7 @@ from .codec import tensor_bytes
 from .codec.attend import paired_columns
 from .codec.balance import balanced_basis, balanced_spectrum
 from .codec.basis_bits import Int8Basis, basis_tensors, held_basis, readable
-from .codec.layer_budget import energy_shares, measured_scales
+from .codec.layer_budget import energy_shares, recorded_scales
 from .errors import BasesError, VarRateWarning
 from .stored import tensor_digest
 
@@ -202,7 +202,7 @@ class CodingSpaces:
         return energies, rows[layer_idx]
 
     def measured_scales(self, budget: float) -> dict[int, float]:
-        """{layer: scale} from the bases' measured sensitivity (`codec.layer_budget.measured_scales`) at the measured
+        """{layer: scale} from the bases' measured sensitivity (`codec.layer_budget.recorded_scales`) at the measured
         budget nearest `budget` (in ratio); a VarRateWarning, once, when that is more than 1.5x away."""
         if budget not in self._measured:
             measured = self.bases.metadata.get("layer_sensitivity")
@@ -216,6 +216,5 @@ class CodingSpaces:
                 warnings.warn(f"layer_budgets='measured': these bases were measured at budgets {sorted(measured['kl'])}"
                               f"; budget={budget} uses the scales of {nearest}. Measure at {budget} for better ones "
                               f"(hf-varrate measure-layers ... --budgets {budget})", VarRateWarning, stacklevel=4)
-            curves = {int(i): row for i, row in measured["kl"][nearest].items()}
-            self._measured[budget] = measured_scales(curves, measured["levels"])
+            self._measured[budget] = recorded_scales(measured)[nearest]
         return self._measured[budget]

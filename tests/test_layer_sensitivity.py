@@ -77,7 +77,8 @@ def test_measured_layer_budgets_need_a_measurement_and_warn_far_from_it(tiny_lla
 
 
 def test_measurement_writes_curves_that_survive_a_save_and_drive_the_cache(tiny_gemma3, tmp_path):
-    from hf_varrate.calibration.sensitivity import measure_sensitivity, scales_of, write_measurement
+    from hf_varrate.calibration.sensitivity import measure_sensitivity, write_measurement
+    from hf_varrate.codec.layer_budget import recorded_scales
 
     bases = tiny_bases(tiny_gemma3.config)
     contexts = [torch.randint(2, 128, (400,), generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
@@ -94,7 +95,7 @@ def test_measurement_writes_curves_that_survive_a_save_and_drive_the_cache(tiny_
     assert (folder / "bases.safetensors").read_bytes() == tensors  # only config.json and the card change
     loaded = Bases.from_pretrained(folder)
     assert loaded.metadata["layer_sensitivity"] == measured
-    scales = scales_of(measured)["0.3"]
+    scales = recorded_scales(measured)["0.3"]
     assert sum(scales.values()) == pytest.approx(2) and loaded.spaces.measured_scales(0.3) == scales
     card = (tmp_path / "bases" / "README.md").read_text()
     assert "measured per-layer budget scales at 0.3" in card

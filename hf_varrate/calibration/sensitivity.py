@@ -32,7 +32,7 @@ from ..bases_checks import ARTIFACT_FILES, CARD_NAME, CONFIG_NAME, WEIGHTS_NAME,
 from ..binding import bind, is_bound, unbind
 from ..cache import VarRateCache
 from ..card import render_card
-from ..codec.layer_budget import measured_scales
+from ..codec.layer_budget import recorded_scales
 from ..files import replacing_folder
 from .contexts import build_contexts
 from .loading import load_model
@@ -89,12 +89,6 @@ def measure_sensitivity(model, bases: Bases, contexts: list[torch.Tensor], budge
             "num_contexts": len(contexts), "context_length": int(len(contexts[0])),
             "seconds": round(time.perf_counter() - started, 1), **(metadata or {}),
             "kl": {repr(b): {str(i): [round(x, 6) for x in row] for i, row in curves.items()} for b, curves in kl.items()}}
-
-
-def scales_of(measured: dict) -> dict[str, dict[int, float]]:
-    """{budget: {layer: scale}}: what `layer_budgets="measured"` codes with at each measured budget."""
-    return {budget: measured_scales({int(i): row for i, row in curves.items()}, measured["levels"])
-            for budget, curves in measured["kl"].items()}
 
 
 def write_measurement(folder: str | Path, measured: dict) -> Path:
@@ -207,7 +201,7 @@ def measure_folder(model, tokenizer, folder, args, command: str) -> dict:
                                    levels=[float(s) for s in args.levels.split(",")], probe=args.probe,
                                    preset=args.preset, budget_dtype=args.budget_dtype, progress=not args.quiet,
                                    metadata={"data": texts.name, "command": command})
-    for budget, scales in scales_of(measured).items():
+    for budget, scales in recorded_scales(measured).items():
         print(f"budget {budget}: per-layer scales {scales}")
     print(f"wrote {write_measurement(folder, measured)}")
     return measured

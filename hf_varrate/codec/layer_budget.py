@@ -68,3 +68,9 @@ def measured_scales(kl: dict[int, list[float]], levels: list[float]) -> dict[int
                     reached[total] = (cost + loss, picks + [level])
         best = reached
     return dict(zip(sorted(kl), best[target][1]))
+
+
+def recorded_scales(measured: dict) -> dict[str, dict[int, float]]:
+    """{budget: {layer: scale}} of a bases' `layer_sensitivity` field: `measured_scales` at each budget it records."""
+    return {budget: measured_scales({int(i): row for i, row in curves.items()}, measured["levels"])
+            for budget, curves in measured["kl"].items()}
