@@ -71,6 +71,19 @@ def bound(model):
         unbind(model)
 
 
+@contextlib.contextmanager
+def bound_as_found(model):
+    """Binds for the block, then leaves `model` as it was found: a model bound before stays bound (library code that
+    runs a user's model, e.g. calibration, must not unbind it)."""
+    was_bound = is_bound(model)
+    bind(model)
+    try:
+        yield model
+    finally:
+        if not was_bound:
+            unbind(model)
+
+
 def prefill_hook(module, args, kwargs):
     """The forward pre-hook `bind` installs on an attention module: when the forward is a VarRateCache's
     prefill, hand the cache layer what the codec needs and the model does not pass to a Cache (the

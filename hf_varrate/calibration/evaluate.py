@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from ..bases import Bases
-from ..binding import bind, is_bound, unbind
+from ..binding import bound_as_found
 from ..cache import VarRateCache
 from ..layers import VarRateLayer
 from ..config import VarRateConfig
@@ -45,9 +45,7 @@ def reconstruction_error(model, bases: Bases, contexts: list[torch.Tensor], budg
     config = (config or VarRateConfig(**bases.calibrated_settings)).replace(budget=budget, storage="materialized")
     sums: dict[int, torch.Tensor] = {}  # layer -> [err_k^2, norm_k^2, err_v^2, norm_v^2]
     stored = full = 0
-    was_bound = is_bound(model)
-    bind(model)
-    try:
+    with bound_as_found(model):
         for ids in tqdm(contexts, desc=f"reconstruction at budget {budget}", unit="context", disable=not progress):
             exact, cache = _run_both(model, bases, config, ids)
             for i, layer in enumerate(cache.layers):
@@ -56,9 +54,6 @@ def reconstruction_error(model, bases: Bases, contexts: list[torch.Tensor], budg
             footprint = cache.footprint()
             stored += sum(f.bytes for f in footprint.layers if f.kind == "varrate")
             full += sum(f.full_bytes for f in footprint.layers if f.kind == "varrate")
-    finally:
-        if not was_bound:
-            unbind(model)
     per_layer = {i: {"keys": _ratio(s[0], s[1]), "values": _ratio(s[2], s[3])} for i, s in sorted(sums.items())}
     mean = lambda name: sum(v[name] for v in per_layer.values()) / max(len(per_layer), 1)  # noqa: E731
     return ReconstructionError(budget, mean("keys"), mean("values"), stored / full if full else 1.0, per_layer)

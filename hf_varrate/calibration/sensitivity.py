@@ -29,7 +29,7 @@ from transformers import DynamicCache
 
 from ..bases import Bases, read_artifact
 from ..bases_checks import ARTIFACT_FILES, CARD_NAME, CONFIG_NAME, WEIGHTS_NAME, check_metadata
-from ..binding import bind, is_bound, unbind
+from ..binding import bound_as_found
 from ..cache import VarRateCache
 from ..card import render_card
 from ..codec.layer_budget import recorded_scales
@@ -70,7 +70,7 @@ def measure_sensitivity(model, bases: Bases, contexts: list[torch.Tensor], budge
         for budget in kl:
             config = bases.config(preset, **{**overrides, "budget": budget, "layer_budgets": "uniform"}, stacklevel=3)
             for j, level in enumerate(levels):
-                with _every_layer_at(bases, level), _bound(model):
+                with _every_layer_at(bases, level), bound_as_found(model):  # the cache sees the queries
                     coded = _prefill(model, ids, VarRateCache(bases, config, model=model)).compress()
                 for i in layers:
                     if coded.layers[i].rows_stored_exactly:
@@ -117,18 +117,6 @@ def _every_layer_at(bases: Bases, level: float):
         yield
     finally:
         del bases.layer_share  # the class's method again
-
-
-@contextmanager
-def _bound(model):
-    """The model bound while inside (the cache sees the prefill's queries), left as it was found."""
-    was_bound = is_bound(model)
-    bind(model)
-    try:
-        yield
-    finally:
-        if not was_bound:
-            unbind(model)
 
 
 def _prefill(model, ids: torch.Tensor, cache):
