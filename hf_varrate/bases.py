@@ -141,21 +141,22 @@ class Bases:
                 f"match them", CalibrationOverrideWarning, stacklevel=stacklevel)
         low = VarRateConfig.low_budget_settings(preset, overrides)  # the preset's own, over the calibrated window
         config = VarRateConfig.preset(preset, **{**calibrated, **low, **self.tuned_settings(preset), **overrides})
-        if config.balance != "none" and "balance" not in overrides and not self.spectra:
-            warnings.warn(
-                f"preset {preset!r} balances keys and values (balance={config.balance!r}), which needs bases that "
-                f"carry their calibration spectrum; these carry none, so balance='none' is used. Recalibrate them "
-                f"with this version (hf-varrate calibrate ...) to get it, or pass balance='none' to silence this",
-                VarRateWarning, stacklevel=stacklevel)
-            config = config.replace(balance="none")
-        if config.layer_budgets == "measured" and "layer_budgets" not in overrides and not self.metadata.get(
-                "layer_sensitivity"):
-            warnings.warn(
-                f"preset {preset!r} scales each layer's budget by its measured sensitivity at budget={config.budget}, "
-                f"which these bases do not carry, so every layer gets the same budget. Measure them (hf-varrate "
-                f"measure-layers <folder> --model ...) to get it, or pass layer_budgets='uniform' to silence this",
-                VarRateWarning, stacklevel=stacklevel)
-            config = config.replace(layer_budgets="uniform")
+        lacking = (  # (field, its fallback, whether these bases lack what the preset's value needs, why)
+            ("balance", "none", config.balance != "none" and not self.spectra,
+             f"balances keys and values (balance={config.balance!r}), which needs bases that carry their calibration "
+             f"spectrum; these carry none, so balance='none' is used. Recalibrate them with this version "
+             f"(hf-varrate calibrate ...) to get it"),
+            ("layer_budgets", "uniform",
+             config.layer_budgets == "measured" and not self.metadata.get("layer_sensitivity"),
+             f"scales each layer's budget by its measured sensitivity at budget={config.budget}, which these bases do "
+             f"not carry, so every layer gets the same budget. Measure them (hf-varrate measure-layers <folder> "
+             f"--model ...) to get it"),
+        )
+        for field, fallback, lacks, why in lacking:
+            if lacks and field not in overrides:
+                warnings.warn(f"preset {preset!r} {why}, or pass {field}={fallback!r} to silence this", VarRateWarning,
+                              stacklevel=stacklevel)
+                config = config.replace(**{field: fallback})
         return config
 
     @property
