@@ -13,9 +13,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["SHIPPED", "shipped_path"]
+__all__ = ["SHIPPED", "SHIPPED_ROOT", "shipped_path"]
 
-_ROOT = Path(__file__).resolve().parent / "shipped_bases"
+SHIPPED_ROOT = Path(__file__).resolve().parent / "shipped_bases"
 
 # name -> the Hub checkpoint the bases were calibrated on (the names are those of `hf_varrate.models`)
 SHIPPED: dict[str, str] = {
@@ -27,4 +27,4 @@ SHIPPED: dict[str, str] = {
 def shipped_path(name: str | os.PathLike) -> Path | None:
     """The folder of the shipped bases called `name`, or None when `name` is not a shipped name."""
     key = str(name)
-    return _ROOT / key if key in SHIPPED else None
+    return SHIPPED_ROOT / key if key in SHIPPED else None

@@ -211,6 +211,22 @@ def test_a_method_run_on_two_models_loads_each_models_own_bases(monkeypatch):
     assert loads == [("smollm2-135m-instruct", "shipped"), ("gemma-3-270m", "shipped")]  # each loaded once
 
 
+def test_a_copy_of_the_evaluation_elsewhere_reads_the_imported_librarys_shipped_bases(tmp_path, monkeypatch):
+    # a second checkout (a worktree for long runs) once paired its own, older shipped bases with the library
+    # imported from the first (an editable install); the bases must come with the code that reads them
+    import shutil
+    import subprocess
+    import sys
+
+    import hf_varrate
+
+    shutil.copytree(REPO / "evaluation", tmp_path / "evaluation", ignore=shutil.ignore_patterns("runs", "__pycache__"))
+    monkeypatch.delenv("HF_VARRATE_SHIPPED_BASES", raising=False)
+    found = subprocess.run([sys.executable, "-c", "from evaluation.methods.varrate import shipped_bases; "
+                            "print(shipped_bases())"], cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert Path(found.stdout.strip()) == Path(hf_varrate.__file__).resolve().parent / "shipped_bases"
+
+
 def test_preset_spec_starts_from_the_library_preset_and_fields_override_it():
     import warnings
 

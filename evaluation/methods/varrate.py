@@ -25,20 +25,21 @@ import torch
 
 from hf_varrate import Bases, VarRateCache, VarRateConfig
 from hf_varrate.errors import CalibrationOverrideWarning
+from hf_varrate.shipped import SHIPPED_ROOT
 from hf_varrate.signals import SIGNALS, SignalInputs, register_signal
 
 from ..capture import clock, decoder, replay
 from .base import Compressed, Context, dynamic_from_capture
 
-REPO = Path(__file__).resolve().parents[2]
 NOT_CONFIG = {"kind", "bases", "impl", "preset", "layer_scales"}
 SURPRISAL = "eval_surprisal"  # registered (once) when a method spec names it; never by importing this module
 _surprisal: dict = {"current": None}  # the surprisal [S] of the prompt being coded, set only around its replay
 
 
 def shipped_bases() -> Path:
-    """Where the shipped bases live: the package's (hf_varrate/shipped_bases/), or $HF_VARRATE_SHIPPED_BASES."""
-    return Path(os.environ.get("HF_VARRATE_SHIPPED_BASES", REPO / "hf_varrate" / "shipped_bases"))
+    """Where the shipped bases live: those of the hf_varrate that is imported (so a second checkout running the
+    evaluation against an installed library never pairs its code with other bases), or $HF_VARRATE_SHIPPED_BASES."""
+    return Path(os.environ.get("HF_VARRATE_SHIPPED_BASES", SHIPPED_ROOT))
 
 
 def resolve_bases(model, model_name: str, which: str) -> Bases:
