@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from hf_varrate import VarRateCache
 from hf_varrate.calibration.contexts import build_contexts
-from hf_varrate.calibration.sensitivity import measure_sensitivity
+from hf_varrate.calibration.sensitivity import layers_scaled, measure_sensitivity
 from hf_varrate.codec.layer_budget import recorded_scales
 from hf_varrate.calibration.texts import load_texts
 from hf_varrate.models import load_default_model
@@ -51,10 +51,10 @@ def mean_kl(hybrid: torch.Tensor, reference: torch.Tensor) -> float:
 
 def reconstructed(bases, config, model, captured, share, layers) -> tuple[dict, dict]:
     """Every compressed layer's K/V as a VarRateCache with per-layer budget scales `share(layer)` rebuilds them."""
-    bases.layer_share = lambda i, config: share(i)
-    cache = VarRateCache(bases, config, model_config=model.config)
-    replay(cache, model, captured)
-    read = {i: cache.layers[i].read() for i in layers}
+    with layers_scaled(bases, share):
+        cache = VarRateCache(bases, config, model_config=model.config)
+        replay(cache, model, captured)
+        read = {i: cache.layers[i].read() for i in layers}
     return ({i: k.to(captured.keys[i].dtype) for i, (k, _) in read.items()},
             {i: v.to(captured.values[i].dtype) for i, (_, v) in read.items()})
 

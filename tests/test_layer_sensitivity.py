@@ -147,3 +147,22 @@ def test_the_command_refuses_what_is_not_a_bases_folder(tmp_path):
 
     with pytest.raises(SystemExit, match="is not a bases folder.*copy shipped or downloaded bases into one first"):
         main(["measure-layers", str(tmp_path / "nowhere"), "--model", "smollm2-135m-instruct"])
+
+
+def test_scaling_layers_for_a_measurement_leaves_the_bases_as_found_even_on_error(tiny_llama):
+    # the evaluation's all-layers check once replaced layer_share for good, so the bases it had been handed
+    # went on coding every later cache at the last scales tried
+    from evaluation.capture import capture, full_attention_layers
+    from evaluation.layer_sensitivity import reconstructed
+    from hf_varrate.calibration.sensitivity import layers_scaled
+
+    bases = tiny_bases(tiny_llama.config)
+    with pytest.raises(RuntimeError), layers_scaled(bases, lambda i: 2.0):
+        assert bases.layer_share(0, None) == 2.0
+        raise RuntimeError
+    assert "layer_share" not in vars(bases)
+    ids = torch.randint(2, 128, (400,), generator=torch.Generator().manual_seed(0)).tolist()
+    config = VarRateConfig(budget=0.3, signal="uniform", r_min=4, window=16)
+    keys, _ = reconstructed(bases, config, tiny_llama, capture(tiny_llama, ids), lambda i: 0.5,
+                            full_attention_layers(tiny_llama))
+    assert set(keys) == {0, 1} and "layer_share" not in vars(bases)

@@ -70,7 +70,7 @@ def measure_sensitivity(model, bases: Bases, contexts: list[torch.Tensor], budge
         for budget in kl:
             config = bases.config(preset, **{**overrides, "budget": budget, "layer_budgets": "uniform"}, stacklevel=3)
             for j, level in enumerate(levels):
-                with _every_layer_at(bases, level), bound_as_found(model):  # the cache sees the queries
+                with layers_scaled(bases, lambda i: level), bound_as_found(model):  # the cache sees the queries
                     coded = _prefill(model, ids, VarRateCache(bases, config, model=model)).compress()
                 for i in layers:
                     if coded.layers[i].rows_stored_exactly:
@@ -110,9 +110,9 @@ def write_measurement(folder: str | Path, measured: dict) -> Path:
 
 
 @contextmanager
-def _every_layer_at(bases: Bases, level: float):
-    """Code every layer at `level` times its uniform coefficient budget while inside."""
-    bases.layer_share = lambda layer_idx, config: level
+def layers_scaled(bases: Bases, scale):
+    """Code each layer at `scale(layer_idx)` times its uniform coefficient budget while inside."""
+    bases.layer_share = lambda layer_idx, config: scale(layer_idx)
     try:
         yield
     finally:
