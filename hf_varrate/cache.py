@@ -1,9 +1,9 @@
-"""`VarRateCache`: the codec inside transformers' layered Cache, and its footprint.
+"""`VarRateCache`: the codec inside transformers' layered Cache.
 
 Orchestration only: the arithmetic is in `hf_varrate.codec`, one layer's state in `hf_varrate.layers`
-(one class per storage mode; switching storage swaps layer objects), saving and loading in
-`hf_varrate.serialization`. Sliding-window layers (e.g. Gemma-3's local layers) stay the model's own
-sliding layers.
+(one class per storage mode; switching storage swaps layer objects), the bytes it holds in
+`hf_varrate.layers.footprint`, saving and loading in `hf_varrate.serialization`. Sliding-window layers
+(e.g. Gemma-3's local layers) stay the model's own sliding layers.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import os
 import warnings
-from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
@@ -22,53 +21,13 @@ from .binding import bind
 from .codec import exact_mask, tensor_bytes
 from .config import STORAGES, VarRateConfig
 from .errors import BasesError, VarRateWarning
-from .layers import LAYER_CLASSES, CompactLayer, LayerFootprint, MaterializedLayer, PrefillContext, VarRateLayer
+from .layers import (LAYER_CLASSES, CompactLayer, Footprint, LayerFootprint, MaterializedLayer, PrefillContext,
+                     VarRateLayer)
 from .signals import SIGNALS
 from .rotary import RopeMemo, RotaryFrequencies
 from .serialization import load_cache, push_cache, save_cache
 
 __all__ = ["Footprint", "VarRateCache"]
-
-
-@dataclass
-class Footprint:
-    """Bytes the cache holds for its sequences vs. the same tokens in a plain DynamicCache.
-
-    `bases_bytes` is reported beside them, as the paper reports the basis: every tensor the bases hold, the
-    stored ones and the copies derived for coding and reading, one set per model and device, shared by
-    every cache built on those bases."""
-
-    layers: list[LayerFootprint] = field(default_factory=list)
-    bases_bytes: int = 0
-
-    @property
-    def bytes(self) -> int:
-        return sum(layer.bytes for layer in self.layers)
-
-    @property
-    def full_bytes(self) -> int:
-        return sum(layer.full_bytes for layer in self.layers)
-
-    @property
-    def held_bytes(self) -> int:
-        """Bytes of the tensors really held: `bytes` in compact storage, full K/V plus codes in materialized."""
-        return sum(layer.bytes if layer.held_bytes is None else layer.held_bytes for layer in self.layers)
-
-    @property
-    def fraction(self) -> float:
-        return self.bytes / self.full_bytes if self.full_bytes else 1.0
-
-    @property
-    def prompt_fraction(self) -> float:
-        """The compressed prompt alone: what the budget controls (later tokens are stored exactly)."""
-        appended = sum(layer.appended_bytes for layer in self.layers)
-        full = self.full_bytes - appended
-        return (self.bytes - appended) / full if full else 1.0
-
-    def __repr__(self):
-        return (f"Footprint(bytes={self.bytes}, full_bytes={self.full_bytes}, fraction={self.fraction:.4f}, "
-                f"prompt_fraction={self.prompt_fraction:.4f}, held_bytes={self.held_bytes}, "
-                f"bases_bytes={self.bases_bytes})")
 
 
 class VarRateCache(Cache):

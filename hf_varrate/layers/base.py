@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import inspect
 import math
-from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import DynamicLayer
@@ -27,6 +26,7 @@ from ..devices import check_arrival
 from ..errors import CacheFileError
 from ..rotary import RopeMemo, RotaryFrequencies
 from .context import PrefillContext, crop_context, merge_contexts, select_context
+from .footprint import LayerFootprint
 from .held import append_held
 from .rows import Row, magnitude, row_inputs, slots_of
 from .turns import HeldTurn, Turn, TurnsMixin
@@ -36,26 +36,6 @@ UNBOUND_MESSAGE = (
     "that record no RoPE frequencies): build the cache with VarRateCache.from_pretrained(bases, model=model) "
     "or call hf_varrate.bind(model) before generate()"
 )
-
-
-@dataclass
-class LayerFootprint:
-    layer_idx: int
-    kind: str  # "varrate", "sliding" or "exact"
-    bytes: int
-    full_bytes: int
-    rows_stored_exactly: int = 0
-    appended_bytes: int = 0  # tokens added after the prefill, stored exactly (part of `bytes`)
-    held_bytes: int | None = None  # bytes of the tensors the layer really holds (None: same as `bytes`)
-
-    @property
-    def fraction(self) -> float:
-        return self.bytes / self.full_bytes if self.full_bytes else 1.0
-
-    @property
-    def prompt_fraction(self) -> float:
-        full = self.full_bytes - self.appended_bytes
-        return (self.bytes - self.appended_bytes) / full if full else 1.0
 
 
 # transformers < 5.24 crops to a length (crop(max_length), negative: remove that many); newer ones remove

@@ -13,7 +13,8 @@ import torch
 
 from ..attention import CodedRead
 from ..codec import PromptCode, attend_codes, compress_prompt, decode_prompt, matmul_dtype, tensor_bytes
-from .base import LayerFootprint, VarRateLayer, kept_after_crop
+from .base import VarRateLayer, kept_after_crop
+from .footprint import LayerFootprint
 from .rows import covers, slots_of
 from .turns import Turn, exact_pieces
 

@@ -11,7 +11,8 @@ import torch
 
 from ..codec import compress_prompt, tensor_bytes
 from ..errors import CacheFileError
-from .base import LayerFootprint, VarRateLayer
+from .base import VarRateLayer
+from .footprint import LayerFootprint
 from .rows import place, slots_of
 from .turns import Turn, exact_pieces
 
