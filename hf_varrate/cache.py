@@ -145,9 +145,9 @@ class VarRateCache(Cache):
 
     def compress(self) -> VarRateCache:
         """Code the prompt every layer holds now, instead of at the first decoding step: what a document
-        compressed once and reused for many questions needs after its prefill (`model(doc_ids, cache=cache)`),
-        so that the questions read the codes and are not coded with it. Reading the footprint, saving,
-        copying and switching storage do the same. Returns the cache."""
+        compressed once and reused for many questions needs after its prefill (`model(doc_ids, cache=cache,
+        logits_to_keep=1)`), so that the questions read the codes and are not coded with it. Reading the
+        footprint, saving, copying and switching storage do the same. Returns the cache."""
         for i, layer in enumerate(self.layers):
             if isinstance(layer, VarRateLayer) and layer.holding:
                 self._finish_prompt(i)

@@ -85,7 +85,7 @@ def answer(model, tokenizer, cache, doc_ids, question_ids, max_new_tokens=10) ->
 def prefill(model, cache, doc_ids) -> float:
     start = time.perf_counter()
     with torch.no_grad():
-        model(torch.tensor([doc_ids]), **{cache_kwarg(model): cache})
+        model(torch.tensor([doc_ids]), logits_to_keep=1, **{cache_kwarg(model): cache})  # no [S, vocab] logits
         if isinstance(cache, VarRateCache):
             cache.compress()  # the document ends here: code it now, so no question is coded with it
     return time.perf_counter() - start
@@ -115,7 +115,7 @@ def main(argv=None, prog: str | None = None) -> int:
     doc_ids = chat_parts(tokenizer, document, "")[0]
     print(f"[2/4] compressing the {len(doc_ids)}-token document once, with no question in it ...", flush=True)
     with torch.no_grad():  # first-call allocations, so that neither timed prefill pays them
-        model(torch.tensor([doc_ids[:64]]))
+        model(torch.tensor([doc_ids[:64]]), logits_to_keep=1)
     full = DynamicCache(config=model.config)
     t_full = prefill(model, full, doc_ids)
 

@@ -120,9 +120,9 @@ def layers_scaled(bases: Bases, scale):
 
 
 def _prefill(model, ids: torch.Tensor, cache):
-    """`cache` after a prefill of `ids`."""
+    """`cache` after a prefill of `ids` (the last position's logits only: all of them would be [S, vocabulary])."""
     with torch.no_grad():
-        model(input_ids=ids.view(1, -1).to(model.device), past_key_values=cache, use_cache=True)
+        model(input_ids=ids.view(1, -1).to(model.device), past_key_values=cache, use_cache=True, logits_to_keep=1)
     return cache
 
 
