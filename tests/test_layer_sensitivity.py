@@ -187,3 +187,25 @@ def test_prefills_that_read_no_logits_compute_only_the_last_positions(tiny_llama
     finally:
         hook.remove()
     assert rows and set(rows) <= {1, 32}  # the prefills' last position, the probe read back
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_gemma3"])
+def test_read_backs_that_reuse_the_layers_below_the_swap_give_the_same_curves(request, fixture, monkeypatch):
+    from contextlib import nullcontext
+
+    from hf_varrate.calibration import sensitivity
+
+    model = request.getfixturevalue(fixture)
+    bases = tiny_bases(model.config)
+    contexts = [torch.randint(2, 128, (400,), generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    settings = dict(levels=[0.5, 1.0], probe=32, preset="paper", r_min=4, signal="uniform", progress=False)
+    calls = []
+    first = model.get_decoder().layers[0]
+    first.mlp.register_forward_pre_hook(lambda module, args: calls.append(1))  # runs only when the layer does
+    reused = sensitivity.measure_sensitivity(model, bases, contexts, [0.3], **settings)["kl"]
+    calls_reused, calls[:] = len(calls), []
+    monkeypatch.setattr(sensitivity, "_decoder_layers_replayed", lambda *args: nullcontext())
+    whole = sensitivity.measure_sensitivity(model, bases, contexts, [0.3], **settings)["kl"]
+    assert reused == whole  # to the 6 decimals recorded
+    assert calls_reused < len(calls)  # the first layer was skipped where a higher one was swapped
+    assert "forward" not in vars(first)  # the layers are left as found

@@ -66,7 +66,8 @@ def measure_sensitivity(model, bases: Bases, contexts: list[torch.Tensor], budge
         tokens = ids[len(ids) // 2 : len(ids) // 2 + probe]
         full = _prefill(model, ids, DynamicCache())  # every layer at full length, Gemma's sliding ones too
         exact = {i: (layer.keys, layer.values) for i, layer in enumerate(full.layers)}
-        reference = _read_back(model, exact, tokens, len(ids))
+        below = []  # each decoder layer's output on the probe with every layer exact
+        reference = _read_back(model, exact, tokens, len(ids), record=below)
         for budget in kl:
             config = bases.config(preset, **{**overrides, "budget": budget, "layer_budgets": "uniform"}, stacklevel=3)
             for j, level in enumerate(levels):
@@ -80,7 +81,8 @@ def measure_sensitivity(model, bases: Bases, contexts: list[torch.Tensor], budge
                             f"as no error; measure at a higher budget, with longer contexts or with levels >= 1")
                     keys, values = coded.layers[i].read()
                     swapped = {**exact, i: (keys.to(exact[i][0].dtype), values.to(exact[i][1].dtype))}
-                    kl[budget][i][j] += _kl(_read_back(model, swapped, tokens, len(ids)), reference) / len(contexts)
+                    hybrid = _read_back(model, swapped, tokens, len(ids), reuse=(i, below))
+                    kl[budget][i][j] += _kl(hybrid, reference) / len(contexts)
                 del coded
                 if progress:
                     print(f"context {c + 1}/{len(contexts)}, budget {budget}, level {level}: "
@@ -126,16 +128,49 @@ def _prefill(model, ids: torch.Tensor, cache):
     return cache
 
 
-def _read_back(model, kv: dict, tokens: torch.Tensor, start: int) -> torch.Tensor:
-    """Log-probs [P, V] of `tokens` at positions start.. read through a cache holding `kv` ({layer: (K, V)})."""
+def _read_back(model, kv: dict, tokens: torch.Tensor, start: int, record: list | None = None,
+               reuse: tuple[int, list] | None = None) -> torch.Tensor:
+    """Log-probs [P, V] of `tokens` at positions start.. read through a cache holding `kv` ({layer: (K, V)}).
+
+    `record` (a list) receives each decoder layer's output. `reuse` = (i, outputs recorded by a read-back whose
+    K/V equal `kv` below layer i): layers below i return those outputs instead of computing them again, since
+    their inputs and caches are the same; only layers from i on run (half the layers, on average, of a swap)."""
     cache = DynamicCache(config=model.config)  # the model's own layer kinds (sliding ones keep their window)
     for i in sorted(kv):
         cache.update(*kv[i], i)
     positions = torch.arange(start, start + len(tokens), device=model.device)[None]
-    with torch.no_grad():
+    with torch.no_grad(), _decoder_layers_replayed(model, record, reuse):
         logits = model(input_ids=tokens.view(1, -1).to(model.device), past_key_values=cache, position_ids=positions,
                        logits_to_keep=0).logits
     return F.log_softmax(logits[0].float(), dim=-1)
+
+
+@contextmanager
+def _decoder_layers_replayed(model, record: list | None, reuse: tuple[int, list] | None):
+    """While inside, record each decoder layer's output into `record` and / or have the layers below `reuse[0]`
+    return `reuse[1]`'s outputs. A model whose decoder layers are not found (`get_decoder().layers`, one per
+    cache layer) runs whole, as does a read-back with nothing recorded to reuse."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    text = model.config.get_text_config(decoder=True)
+    if layers is None or len(layers) != text.num_hidden_layers or getattr(text, "num_kv_shared_layers", 0):
+        layers = []  # (layers reading another layer's cache need every layer's own update)
+    hooks = [layer.register_forward_hook(lambda module, args, out: record.append(out)) for layer in layers
+             if record is not None]
+    skipped = layers[: reuse[0]] if reuse is not None and len(reuse[1]) == len(layers) else []
+    saved = [layer.__dict__.get("forward") for layer in skipped]  # accelerate's own wrapper, where dispatched
+    for layer, out in zip(skipped, reuse[1] if skipped else []):
+        layer.forward = lambda *args, _out=out, **kwargs: _out
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for layer, forward in zip(skipped, saved):
+            if forward is None:
+                del layer.forward
+            else:
+                layer.forward = forward
 
 
 def _kl(coded: torch.Tensor, reference: torch.Tensor) -> float:
