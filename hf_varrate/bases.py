@@ -208,9 +208,9 @@ class Bases:
         """The coding basis as attention over the codes reads it: `CodingSpaces.attention_basis`."""
         return self.spaces.attention_basis(layer_idx, balance, device, heads, dim, key_weight, bits)
 
-    def layer_share(self, layer_idx: int, config: VarRateConfig):
+    def layer_share(self, layer_idx: int, config: VarRateConfig, kv_dtype: torch.dtype | None = None):
         """What `compress_prompt(layer_share=...)` takes for this layer: `CodingSpaces.layer_share`."""
-        return self.spaces.layer_share(layer_idx, config)
+        return self.spaces.layer_share(layer_idx, config, kv_dtype)
 
     def nbytes(self) -> int:
         """Bytes of every tensor these bases hold, stored and derived (a per-model cost, shared by every cache)."""

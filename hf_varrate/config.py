@@ -213,7 +213,8 @@ class VarRateConfig:
                   "share of its residual energy (at least half the flat rank), so that rank goes where it removes "
                   "the most relative error (needs bases with a spectrum); 'measured': each layer's budget is scaled "
                   "(0.5-2x, the same bytes in all) to where its error moves the model's predictions most, as measured "
-                  "on calibration text at the nearest budget the bases record (`hf-varrate measure-layers`)."},
+                  "on calibration text at the nearest budget the bases record, in the bytes they were counted in "
+                  "(`hf-varrate measure-layers`)."},
     )
 
     def __new__(cls, *args, **kwargs):

@@ -143,7 +143,7 @@ class VarRatePress(BasePress):
         cos, sin = kwargs["position_embeddings"]
         basis, scales = self.bases.coding_basis(module.layer_idx, self.config.balance, keys.device,
                                                 key_weight=self.config.key_weight, bits=self.config.basis_bits)
-        share = self.bases.layer_share(module.layer_idx, self.config)
+        share = self.bases.layer_share(module.layer_idx, self.config, keys.dtype)
         window = min(self.config.obs_window, hidden_states.shape[1])
         with torch.no_grad():
             queries = window_queries(module, hidden_states, cos, sin, window)  # [B, Hq, W, d]

@@ -76,7 +76,7 @@ class CodingSpaces:
     def __init__(self, bases):
         self.bases = bases
         self._copies: DerivedCopies | None = None
-        self._measured: dict[float, dict[int, float]] = {}  # budget -> per-layer scales (from metadata: not shared)
+        self._measured: dict[float, dict[int, float]] = {}  # budget (as measured) -> per-layer scales; not shared
 
     @property
     def copies(self) -> DerivedCopies:
@@ -190,31 +190,41 @@ class CodingSpaces:
             self.copies.energies[(balance, key_weight)] = energy_shares(spectra), {i: row for row, i in enumerate(layers)}
         return self.copies.energies[(balance, key_weight)]
 
-    def layer_share(self, layer_idx: int, config) -> tuple[torch.Tensor, int] | float | None:
+    def layer_share(self, layer_idx: int, config, kv_dtype: torch.dtype | None = None
+                    ) -> tuple[torch.Tensor, int] | float | None:
         """What `compress_prompt(layer_share=...)` takes for layer `layer_idx` under `config.layer_budgets`
-        ('spectrum': the coding spaces' energies and this layer's row; 'measured': this layer's scale; 'uniform':
-        None)."""
+        ('spectrum': the coding spaces' energies and this layer's row; 'measured': this layer's scale, measured at
+        the bytes `config.budget` buys when counted in `config.budget_dtype`, else in `kv_dtype`, the K/V's own;
+        'uniform': None)."""
         if config.layer_budgets == "uniform":
             return None
         if config.layer_budgets == "measured":
-            return self.measured_scales(config.budget)[layer_idx]
+            counted = getattr(torch, config.budget_dtype) if config.budget_dtype else kv_dtype
+            return self.measured_scales(config.budget, counted)[layer_idx]
         energies, rows = self.coding_energies(config.balance, config.key_weight)
         return energies, rows[layer_idx]
 
-    def measured_scales(self, budget: float) -> dict[int, float]:
+    def measured_scales(self, budget: float, counted: torch.dtype | None = None) -> dict[int, float]:
         """{layer: scale} from the bases' measured sensitivity (`codec.layer_budget.recorded_scales`) at the measured
-        budget nearest `budget` (in ratio); a VarRateWarning, once, when that is more than 1.5x away."""
-        if budget not in self._measured:
-            measured = self.bases.metadata.get("layer_sensitivity")
-            if not measured:
-                raise ValueError(
-                    "layer_budgets='measured' needs bases that carry a per-layer sensitivity measurement (config.json "
-                    "field layer_sensitivity), and these carry none; add one with `hf-varrate measure-layers "
-                    "<bases folder> --model <model>` or use layer_budgets='uniform'")
-            nearest = min(measured["kl"], key=lambda b: abs(math.log(float(b) / budget)))
-            if abs(math.log(float(nearest) / budget)) > math.log(1.5):
+        budget nearest `budget` (in ratio), where a budget counted in `counted` (None: as measured) is first put in
+        the dtype the measurement counted in: 0.1 of fp32 K/V buys the coefficients of 0.2 counted in fp16. A
+        VarRateWarning, once, when the nearest is more than 1.5x away."""
+        measured = self.bases.metadata.get("layer_sensitivity")
+        if not measured:
+            raise ValueError(
+                "layer_budgets='measured' needs bases that carry a per-layer sensitivity measurement (config.json "
+                "field layer_sensitivity), and these carry none; add one with `hf-varrate measure-layers "
+                "<bases folder> --model <model>` or use layer_budgets='uniform'")
+        unit = (measured.get("settings") or {}).get("budget_dtype")
+        same = counted is None or unit is None
+        equivalent = budget if same else budget * counted.itemsize / getattr(torch, unit).itemsize
+        if equivalent not in self._measured:
+            nearest = min(measured["kl"], key=lambda b: abs(math.log(float(b) / equivalent)))
+            if abs(math.log(float(nearest) / equivalent)) > math.log(1.5):
+                asked = f"budget={budget}" + ("" if same or equivalent == budget else
+                                              f" counted in {counted} ({equivalent:g} in {unit})")
                 warnings.warn(f"layer_budgets='measured': these bases were measured at budgets {sorted(measured['kl'])}"
-                              f"; budget={budget} uses the scales of {nearest}. Measure at {budget} for better ones "
-                              f"(hf-varrate measure-layers ... --budgets {budget})", VarRateWarning, stacklevel=4)
-            self._measured[budget] = recorded_scales(measured)[nearest]
-        return self._measured[budget]
+                              f"; {asked} uses the scales of {nearest}. Measure at {equivalent:g} for better ones "
+                              f"(hf-varrate measure-layers ... --budgets {equivalent:g})", VarRateWarning, stacklevel=4)
+            self._measured[equivalent] = recorded_scales(measured)[nearest]
+        return self._measured[equivalent]

@@ -76,6 +76,28 @@ def test_measured_layer_budgets_need_a_measurement_and_warn_far_from_it(tiny_lla
         assert bases.spaces.measured_scales(0.25) == bases.spaces.measured_scales(0.3)
 
 
+def test_measured_scales_are_looked_up_at_the_bytes_the_budget_buys_in_the_measurements_dtype(tiny_llama):
+    # measured in fp16 bytes at 0.3 and 0.6; this fp32 cache at 0.3 counted in its own bytes buys 0.6's
+    bases = tiny_bases(tiny_llama.config)
+    bases.metadata["layer_sensitivity"] = {"levels": LEVELS, "settings": {"budget_dtype": "float16"}, "kl": {
+        "0.3": {"0": STEEP, "1": FLAT}, "0.6": {"0": FLAT, "1": STEEP}}}
+    assert bases.spaces.measured_scales(0.3, torch.float32) == {0: 0.5, 1: 1.5}
+    assert bases.spaces.measured_scales(0.3, torch.float16) == {0: 1.5, 1: 0.5}
+    assert bases.spaces.measured_scales(0.3) == {0: 1.5, 1: 0.5}  # no dtype given: as measured
+    ids = torch.randint(2, 128, (1, 400), generator=torch.Generator().manual_seed(0))
+    ranks = {}
+    for counted in (None, "float16"):
+        cache = VarRateCache(bases, model=tiny_llama, budget=0.3, signal="uniform", r_min=4, window=16,
+                             layer_budgets="measured", budget_dtype=counted)
+        with torch.no_grad():
+            tiny_llama(input_ids=ids, past_key_values=cache)
+        cache.compress()
+        ranks[counted] = [int(cache.layers[i].codes[0].ranks.long().sum()) for i in (0, 1)]
+    assert ranks[None][1] > ranks[None][0] and ranks["float16"][0] > ranks["float16"][1]
+    with pytest.warns(VarRateWarning, match=r"budget=0.9 counted in torch.float32 \(1.8 in float16\)"):
+        bases.spaces.measured_scales(0.9, torch.float32)
+
+
 def test_measurement_writes_curves_that_survive_a_save_and_drive_the_cache(tiny_gemma3, tmp_path):
     from hf_varrate.calibration.sensitivity import measure_sensitivity, write_measurement
     from hf_varrate.codec.layer_budget import recorded_scales

@@ -82,7 +82,7 @@ class VarRateMethod:
             if "layer_scales" in self.spec:  # experimental: measured per-layer budget scales (layer_sensitivity.py)
                 with open(self.spec["layer_scales"]) as f:
                     scales = {int(i): float(s) for i, s in json.load(f)["scales"].items()}
-                self._bases[key].layer_share = lambda i, config, scales=scales: scales[i]
+                self._bases[key].layer_share = lambda i, config, kv_dtype=None, scales=scales: scales[i]
         return self._bases[key]
 
     def compress(self, ctx: Context, default_bases: str = "shipped") -> Compressed:

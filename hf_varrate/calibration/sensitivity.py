@@ -87,7 +87,8 @@ def measure_sensitivity(model, bases: Bases, contexts: list[torch.Tensor], budge
                 if progress:
                     print(f"context {c + 1}/{len(contexts)}, budget {budget}, level {level}: "
                           f"{time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
-    return {"levels": levels, "probe": probe, "preset": preset, "settings": overrides,
+    counted = overrides["budget_dtype"] or str(model.dtype).removeprefix("torch.")  # what a lookup converts from
+    return {"levels": levels, "probe": probe, "preset": preset, "settings": {**overrides, "budget_dtype": counted},
             "num_contexts": len(contexts), "context_length": int(len(contexts[0])),
             "seconds": round(time.perf_counter() - started, 1), **(metadata or {}),
             "kl": {repr(b): {str(i): [round(x, 6) for x in row] for i, row in curves.items()} for b, curves in kl.items()}}
@@ -114,7 +115,7 @@ def write_measurement(folder: str | Path, measured: dict) -> Path:
 @contextmanager
 def layers_scaled(bases: Bases, scale):
     """Code each layer at `scale(layer_idx)` times its uniform coefficient budget while inside."""
-    bases.layer_share = lambda layer_idx, config: scale(layer_idx)
+    bases.layer_share = lambda layer_idx, config, kv_dtype=None: scale(layer_idx)
     try:
         yield
     finally:

@@ -182,7 +182,7 @@ class VarRateLayer(TurnsMixin, DynamicLayer):
         self.offsets = [self._rope_offset(row) for row in rows]
         coding = self.bases.coding_basis(self.layer_idx, self.config.balance, keys.device,
                                          key_weight=self.config.key_weight, bits=self.config.basis_bits)
-        share = self.bases.layer_share(self.layer_idx, self.config)  # per-layer budgets, or None
+        share = self.bases.layer_share(self.layer_idx, self.config, keys.dtype)  # per-layer budgets, or None
         self._store(rows, coding, context.scaling, keys, values, share)
 
     def _store(self, rows: list[Row], coding, scaling: float, keys, values, share) -> None:

@@ -139,7 +139,7 @@ class TurnsMixin:
             return
         coding = self.bases.coding_basis(self.layer_idx, self.config.balance, keys.device,
                                          key_weight=self.config.key_weight, bits=self.config.basis_bits)
-        share = self.bases.layer_share(self.layer_idx, self.config)
+        share = self.bases.layer_share(self.layer_idx, self.config, keys.dtype)
         code = self._store_turn(row, coding, held.context.scaling, share, held.start)
         self.turns.append(Turn(held.start, [code], offset, length))
 
