@@ -46,7 +46,8 @@ from .bases_checks import (  # noqa: F401 (re-exported: the artifact's names and
 )
 from .card import render_card, tensor_header
 from .config import VarRateConfig
-from .errors import BasesError, CalibrationOverrideWarning, VarRateWarning
+from .config_checks import fall_back
+from .errors import BasesError, CalibrationOverrideWarning
 from .files import replacing_folder
 from .hub import check_subfolder, download_files, snapshot_commit, upload_files
 from .rotary import RotaryFrequencies
@@ -129,7 +130,8 @@ class Bases:
         - the 'recommended' preset's balance='rms' needs the calibration spectrum; with bases that carry
           none (identity bases, older artifacts) it falls back to balance='none' instead of failing at
           the prefill. Passing balance= explicitly turns this rule off. Likewise its layer_budgets='measured'
-          (at budgets of 0.1 or less) falls back to 'uniform' on bases that carry no measurement.
+          (at budgets of 0.1 or less) falls back to 'uniform' on bases that carry no measurement
+          (`config_checks.fall_back`).
         """
         calibrated = self.calibrated_settings
         changed = {k: v for k, v in overrides.items() if k in calibrated and v != calibrated[k]}
@@ -141,23 +143,8 @@ class Bases:
                 f"match them", CalibrationOverrideWarning, stacklevel=stacklevel)
         low = VarRateConfig.low_budget_settings(preset, overrides)  # the preset's own, over the calibrated window
         config = VarRateConfig.preset(preset, **{**calibrated, **low, **self.tuned_settings(preset), **overrides})
-        lacking = (  # (field, its fallback, whether these bases lack what the preset's value needs, why)
-            ("balance", "none", config.balance != "none" and not self.spectra,
-             f"balances keys and values (balance={config.balance!r}), which needs bases that carry their calibration "
-             f"spectrum; these carry none, so balance='none' is used. Recalibrate them with this version "
-             f"(hf-varrate calibrate ...) to get it"),
-            ("layer_budgets", "uniform",
-             config.layer_budgets == "measured" and not self.metadata.get("layer_sensitivity"),
-             f"scales each layer's budget by its measured sensitivity at budget={config.budget}, which these bases do "
-             f"not carry, so every layer gets the same budget. Measure them (hf-varrate measure-layers <folder> "
-             f"--model ...) to get it"),
-        )
-        for field, fallback, lacks, why in lacking:
-            if lacks and field not in overrides:
-                warnings.warn(f"preset {preset!r} {why}, or pass {field}={fallback!r} to silence this", VarRateWarning,
-                              stacklevel=stacklevel)
-                config = config.replace(**{field: fallback})
-        return config
+        return fall_back(config, preset, overrides, spectrum=bool(self.spectra),
+                         measured=bool(self.metadata.get("layer_sensitivity")), stacklevel=stacklevel + 1)
 
     @property
     def rank(self) -> int:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import numbers
+import warnings
 
+from .errors import VarRateWarning
 from .signals import SIGNALS
 
 GROUPS = ("paper", "beyond", "runtime", "coding", "developer")  # coding: fixed once a prompt is coded
@@ -126,3 +128,25 @@ def check_int(config, name, value, minimum):
 def check_choice(name, value, choices):
     if value not in choices:
         raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+def fall_back(config, preset: str, overrides: dict, *, spectrum: bool, measured: bool, stacklevel: int):
+    """`config` with what `preset` asks of bases that lack it replaced, each with a VarRateWarning, unless the
+    user set the field in `overrides`: balance='none' without a calibration spectrum, layer_budgets='uniform'
+    without a measured sensitivity (`Bases.config`). `stacklevel` is the warning's, counted from this function."""
+    lacking = (  # (field, its fallback, whether the bases lack what the preset's value needs, why)
+        ("balance", "none", config.balance != "none" and not spectrum,
+         f"balances keys and values (balance={config.balance!r}), which needs bases that carry their calibration "
+         f"spectrum; these carry none, so balance='none' is used. Recalibrate them with this version "
+         f"(hf-varrate calibrate ...) to get it"),
+        ("layer_budgets", "uniform", config.layer_budgets == "measured" and not measured,
+         f"scales each layer's budget by its measured sensitivity at budget={config.budget}, which these bases do "
+         f"not carry, so every layer gets the same budget. Measure them (hf-varrate measure-layers <folder> "
+         f"--model ...) to get it"),
+    )
+    for field, fallback, lacks, why in lacking:
+        if lacks and field not in overrides:
+            warnings.warn(f"preset {preset!r} {why}, or pass {field}={fallback!r} to silence this", VarRateWarning,
+                          stacklevel=stacklevel)
+            config = config.replace(**{field: fallback})
+    return config

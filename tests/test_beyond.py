@@ -66,8 +66,9 @@ def test_the_low_budget_preset_keeps_uniform_layer_budgets_on_bases_without_a_me
 
     calibrated_like(tiny_llama.config).save_pretrained(tmp_path, dtype=torch.float32)
     bases = Bases.from_pretrained(tmp_path)
-    with pytest.warns(UserWarning, match="measured sensitivity at budget=0.1.*hf-varrate measure-layers"):
+    with pytest.warns(UserWarning, match="measured sensitivity at budget=0.1.*hf-varrate measure-layers") as caught:
         config = bases.config("recommended", budget=0.1)
+    assert {w.filename for w in caught} == {__file__}  # the warning points at the caller's line
     assert config.layer_budgets == "uniform" and config.coef_bits == 3  # the rest of the low-budget preset stays
     assert bases.config("recommended", budget=0.1, layer_budgets="measured").layer_budgets == "measured"  # as asked
 
