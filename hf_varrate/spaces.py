@@ -29,6 +29,7 @@ from .codec.attend import paired_columns
 from .codec.balance import balanced_basis, balanced_spectrum
 from .codec.basis_bits import Int8Basis, basis_tensors, held_basis, readable
 from .codec.layer_budget import energy_shares, recorded_scales
+from .codec.pipeline import counted_dtype
 from .errors import BasesError, VarRateWarning
 from .stored import tensor_digest
 
@@ -199,8 +200,7 @@ class CodingSpaces:
         if config.layer_budgets == "uniform":
             return None
         if config.layer_budgets == "measured":
-            counted = getattr(torch, config.budget_dtype) if config.budget_dtype else kv_dtype
-            return self.measured_scales(config.budget, counted)[layer_idx]
+            return self.measured_scales(config.budget, counted_dtype(config, kv_dtype))[layer_idx]
         energies, rows = self.coding_energies(config.balance, config.key_weight)
         return energies, rows[layer_idx]
 

@@ -37,6 +37,11 @@ if TYPE_CHECKING:  # annotations only: the codec reads a config's fields, it nev
     from ..config import VarRateConfig
 
 
+def counted_dtype(config: VarRateConfig, kv_dtype: torch.dtype | None) -> torch.dtype | None:
+    """The dtype whose bytes the budget counts: `config.budget_dtype`, else the K/V's own (`kv_dtype`)."""
+    return kv_dtype if config.budget_dtype is None else getattr(torch, config.budget_dtype)
+
+
 def coefficient_budget(config: VarRateConfig, seq_len: int, n_exact: int, n_coded: int, width: int,
                        kv_bytes: int, meta_bytes: int, rank: int | None = None) -> int:
     """Eq. 3 in bytes: how many coefficients kappa * (full K/V bytes) leaves after the exact tokens
@@ -281,7 +286,7 @@ def _layout(keys, basis, config: VarRateConfig, layer_share=None) -> tuple[Promp
     n_coded = seq_len - n_exact
     n_anchors = anchor_positions(seq_len, stride).numel()
     meta = meta_bytes_per_token(config.n_anchors, n_anchors, rank)
-    kv_bytes = keys.element_size() if config.budget_dtype is None else getattr(torch, config.budget_dtype).itemsize
+    kv_bytes = counted_dtype(config, keys.dtype).itemsize
     if kv_bytes > keys.element_size():
         raise ValueError(
             f"budget_dtype={config.budget_dtype!r} is wider than the K/V being compressed ({keys.dtype}): counting "
