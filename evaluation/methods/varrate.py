@@ -31,7 +31,7 @@ from hf_varrate.signals import SIGNALS, SignalInputs, register_signal
 from ..capture import clock, decoder, replay
 from .base import Compressed, Context, dynamic_from_capture
 
-NOT_CONFIG = {"kind", "bases", "impl", "preset", "layer_scales"}
+NOT_CONFIG = {"kind", "bases", "impl", "preset", "layer_scales", "eval_coefs", "eval_token_group"}
 SURPRISAL = "eval_surprisal"  # registered (once) when a method spec names it; never by importing this module
 _surprisal: dict = {"current": None}  # the surprisal [S] of the prompt being coded, set only around its replay
 
@@ -108,6 +108,10 @@ class VarRateMethod:
         finally:
             _surprisal["current"] = None
         seconds = clock() - start
+        if "eval_coefs" in self.spec:  # evaluation only, its time not counted: see component_bits
+            from .component_bits import rewrite
+            extra.update(rewrite(cache, ctx.captured, bases, config, self.spec["eval_coefs"],
+                                 self.spec.get("eval_token_group", 64)))
         extra = {**extra, **rank_diagnostics(cache), **fp16_fraction(cache), "bases": self.spec.get("bases", default_bases),
                  "bases_sha256": weights_sha(bases)}
         return Compressed(cache, seconds, extra=extra)
