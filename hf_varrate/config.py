@@ -133,6 +133,14 @@ class VarRateConfig:
         metadata={"group": "paper",
                   "help": "Coefficients per quantization group (each group stores an fp16 min and step)."},
     )
+    coef_scales: str = field(
+        default="token",
+        metadata={"group": "beyond",
+                  "help": "With coef_bits, where the quantization scales sit: 'token' (the paper) gives each group of "
+                  "coef_group coefficients of one token an fp16 min and step; 'component' gives each component one "
+                  "per 64 coded tokens (KIVI's layout for keys), so trailing components keep their precision and more "
+                  "rank fits the bytes. Needs signal='uniform', allocation='waterfill', quantized_budget='same_bytes'."},
+    )
     quantized_budget: str = field(
         default="same_ranks",
         metadata={"group": "paper",

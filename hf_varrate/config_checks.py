@@ -19,6 +19,7 @@ BASIS_BITS = (8, None)
 IMPLEMENTATIONS = ("fast", "reference")
 COEF_BITS = (None, 2, 3, 4, 8)
 QUANTIZED_BUDGETS = ("same_ranks", "same_bytes")
+COEF_SCALES = ("token", "component")
 BALANCES = ("none", "rms")
 BUDGET_DTYPES = (None, "float16", "bfloat16", "float32")
 LAYER_BUDGETS = ("uniform", "spectrum", "measured")
@@ -60,6 +61,9 @@ def check_config(config) -> None:
     check_choice("coef_bits", config.coef_bits, COEF_BITS)
     check_int(config, "coef_group", config.coef_group, 1)
     check_choice("quantized_budget", config.quantized_budget, QUANTIZED_BUDGETS)
+    check_choice("coef_scales", config.coef_scales, COEF_SCALES)
+    if config.coef_scales == "component":
+        check_component_scales(config)
     check_choice("implementation", config.implementation, IMPLEMENTATIONS)
     check_choice("budget_dtype", config.budget_dtype, BUDGET_DTYPES)
     check_choice("balance", config.balance, BALANCES)
@@ -76,11 +80,24 @@ def check_config(config) -> None:
     beyond = {"balance": config.balance != "none", "key_weight": config.key_weight != 1.0,
               "signal": not SIGNALS[config.signal].paper,
               "layer_budgets": config.layer_budgets != "uniform",
-              "projection_dtype": config.projection_dtype != "float32"}
+              "projection_dtype": config.projection_dtype != "float32", "coef_scales": config.coef_scales != "token"}
     if config.implementation == "reference" and any(beyond.values()):
         name = next(k for k, v in beyond.items() if v)
         raise ValueError(f"implementation='reference' runs the paper's algorithm only, got {name}="
                          f"{getattr(config, name)!r}; use implementation='fast' (the default)")
+
+
+def check_component_scales(config) -> None:
+    """coef_scales='component' sizes its scale grid for coded tokens of (nearly) one rank, in bytes it counts."""
+    needs = {"coef_bits": (config.coef_bits is not None, "e.g. 3 or 4"),
+             "signal": (config.signal == "uniform", "'uniform'"),
+             "allocation": (config.allocation == "waterfill", "'waterfill'"),
+             "quantized_budget": (config.quantized_budget == "same_bytes", "'same_bytes'")}
+    for name, (ok, value) in needs.items():
+        if not ok:
+            raise ValueError(f"coef_scales='component' needs {name}={value} (a scale per component over groups of "
+                             f"tokens fits tokens of one rank, in the bytes it is given), got {name}="
+                             f"{getattr(config, name)!r}; set {name} so, or use coef_scales='token'")
 
 
 def to_python_numbers(config) -> None:

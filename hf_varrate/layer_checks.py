@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from .codec.quantization import BITS, group_counts, packed_bytes
+from .codec.quantization import AXES, BITS, group_counts, packed_bytes
 from .errors import CacheFileError
 
 TENSORS_NAME = "cache.safetensors"
@@ -166,7 +166,12 @@ def _check_codes(row: dict, tensors: dict, ctx: _Where, n_coded: int, n_anchors:
     group = _int(q, "group", ctx.sub("quantized"), low=1)
     _int(q, "count", ctx.sub("quantized"), low=total, high=total)
     _tensor(tensors, ctx, "codes", (torch.uint8,), (packed_bytes(total, bits),))
-    groups = int(group_counts(ranks, group).sum())
+    axis = q.get("axis", "token")
+    expect(axis in AXES, ctx.field("quantized.axis"), axis, f"one of {list(AXES)} (or absent: 'token')")
+    if axis == "token":
+        groups = int(group_counts(ranks, group).sum())
+    else:  # a [ceil(C / group), widest rank] grid
+        groups = -(-n_coded // group) * int(ranks.long().max()) if n_coded else 0
     mins = _tensor(tensors, ctx, "mins", (torch.float16, torch.float32), (groups,))
     _tensor(tensors, ctx, "steps", (mins.dtype,), (groups,))
 

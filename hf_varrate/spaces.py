@@ -29,7 +29,7 @@ from .codec.attend import paired_columns
 from .codec.balance import balanced_basis, balanced_spectrum
 from .codec.basis_bits import Int8Basis, basis_tensors, held_basis, readable
 from .codec.layer_budget import energy_shares, recorded_scales
-from .codec.pipeline import counted_dtype
+from .codec.budget import counted_dtype
 from .errors import BasesError, VarRateWarning
 from .stored import tensor_digest
 

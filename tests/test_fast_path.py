@@ -142,7 +142,7 @@ def test_dense_layout_matches_the_rank_blocked_one(overrides, monkeypatch):
     basis = random_orthonormal(64, 64)
     assert isinstance(pipeline._plan(torch.full((10,), 20), 1), pipeline.DenseOrder)
     dense = reconstruct("fast", keys, values, queries, cos, sin, basis, **overrides)
-    monkeypatch.setattr(pipeline, "_plan", lambda ranks, group: rank_order(ranks))
+    monkeypatch.setattr(pipeline, "_plan", lambda ranks, group, by_component=False: rank_order(ranks))
     blocked = reconstruct("fast", keys, values, queries, cos, sin, basis, **overrides)
     assert torch.equal(dense[0].ranks, blocked[0].ranks) and torch.equal(dense[0].neighbours, blocked[0].neighbours)
     if "coef_bits" not in overrides:

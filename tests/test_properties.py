@@ -253,7 +253,7 @@ def test_same_rank_quantized_codes_at_rank_one_stay_within_the_budget(seed):
 def test_same_rank_quantization_reserves_nothing_at_the_usual_rank_floor(kv_bytes, bits):
     """At r_min = 16 every quantized token saves more than the packing pad: the paper's same-ranks budget
     (App. A.4) is unchanged; only a floor of 0-2 makes the budget reserve bytes."""
-    from hf_varrate.codec.pipeline import same_ranks_overshoot
+    from hf_varrate.codec.budget import same_ranks_overshoot
 
     usual = VarRateConfig(coef_bits=bits, quantized_budget="same_ranks")
     assert same_ranks_overshoot(usual, 500, kv_bytes, 4, 384) == 0.0

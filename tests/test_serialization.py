@@ -32,10 +32,13 @@ def answer(model, cache, doc_len=300, seed=1):
         return model.generate(ids, max_new_tokens=8, do_sample=False, past_key_values=cache, pad_token_id=0)
 
 
+COMPONENT_SCALES = {"coef_bits": 3, "coef_scales": "component", "signal": "uniform", "quantized_budget": "same_bytes"}
+
+
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_gemma3"])
 @pytest.mark.parametrize("saved", ["materialized", "compact"])
 @pytest.mark.parametrize("loaded", ["materialized", "compact"])
-@pytest.mark.parametrize("overrides", [{}, {"coef_bits": 3}, {"coef_bits": 2}])
+@pytest.mark.parametrize("overrides", [{}, {"coef_bits": 3}, {"coef_bits": 2}, COMPONENT_SCALES])
 def test_save_load_generate_equals_the_in_memory_run(fixture, saved, loaded, overrides, request, tmp_path):
     model = request.getfixturevalue(fixture)
     cache = compressed(model, saved, **overrides)

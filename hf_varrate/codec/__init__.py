@@ -3,9 +3,10 @@
 from .allocation import topk_ranks, waterfill_ranks
 from .attend import attend_codes
 from .anchors import anchor_means, anchor_positions, exact_mask, gather_means, nearest_anchors, nearest_anchors_mm, residuals
+from .budget import coefficient_budget
 from .joint import join_kv, joint_rows, split_kv
 from .packing import PromptCode, tensor_bytes
-from .pipeline import coef_values, coefficient_budget, compress_prompt, decode_prompt, encode_prompt
+from .pipeline import coef_values, compress_prompt, decode_prompt, encode_prompt
 from .projection import RankOrder, decode, decode_blocks, encode, encode_blocks, matmul_dtype, pack, rank_order, unpack
 from .quantization import QuantizedCoefs, dequantize, quantize
 from .rope import rope_tables, rotate_keys, rotate_rows, sample_positions, unrotate_keys, unrotate_rows

@@ -63,7 +63,8 @@ def dequantize_runs(coefs, runs: list[tuple[int, int, int]], dtype: torch.dtype)
     """`quantization.dequantize_runs(coefs, layout).to(dtype)` in one pass, for 4-bit codes on CPU and dtype
     float32 or bfloat16; None where it does not apply (the caller dequantizes in PyTorch)."""
     codes = coefs.codes
-    if codes.device.type != "cpu" or coefs.bits != 4 or dtype not in (torch.float32, torch.bfloat16) or not available():
+    if (codes.device.type != "cpu" or coefs.bits != 4 or coefs.axis != "token"
+            or dtype not in (torch.float32, torch.bfloat16) or not available()):
         return None
     values = sum((stop - first) * rank for first, stop, rank in runs)
     groups = sum((stop - first) * -(-rank // coefs.group) for first, stop, rank in runs)

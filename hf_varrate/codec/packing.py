@@ -106,6 +106,8 @@ class PromptCode:
             q = self.coefs
             tensors["codes"], tensors["mins"], tensors["steps"] = q.codes, q.mins, q.steps
             row["quantized"] = {"bits": q.bits, "group": q.group, "count": q.count}
+            if q.axis != "token":
+                row["quantized"]["axis"] = q.axis
         else:
             tensors["coefs"] = self.coefs
         return row, tensors
@@ -122,7 +124,8 @@ class PromptCode:
             code.neighbours, code.ranks = get("neighbours"), get("ranks")
             if "quantized" in row:
                 q = row["quantized"]
-                code.coefs = QuantizedCoefs(get("codes"), get("mins"), get("steps"), q["bits"], q["group"], q["count"])
+                code.coefs = QuantizedCoefs(get("codes"), get("mins"), get("steps"), q["bits"], q["group"], q["count"],
+                                            q.get("axis", "token"))
             else:
                 code.coefs = get("coefs")
         return code

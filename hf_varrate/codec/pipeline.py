@@ -23,61 +23,19 @@ from torch.profiler import record_function
 from .allocation import topk_ranks, waterfill_ranks
 from . import native
 from .anchors import anchor_positions, exact_mask, gather_means, nearest_anchors_mm
+from .budget import coefficient_budget, counted_dtype
 from .joint import joint_rows
 from .layer_budget import budget_scale
 from .packing import PromptCode, meta_bytes_per_token, smallest_uint
-from .projection import (DenseOrder, RankOrder, decode_blocks, decode_dense, dense_order, encode_blocks, encode_dense,
-                         layout_shape, matmul_dtype, rank_order, rebuild_layout)
-from .quantization import SCALE_DTYPE, QuantizedCoefs, dequantize, dequantize_dense, quantize, quantize_dense
+from .projection import (DENSE_SLACK, DenseOrder, RankOrder, decode_blocks, decode_dense, dense_order, encode_blocks,
+                         encode_dense, layout_shape, matmul_dtype, rank_order, rebuild_layout)
+from .quantization import QuantizedCoefs, dequantize, dequantize_dense, quantize, quantize_components, quantize_dense
 from .reference import decode_reference, encode_reference
 from .rope import rotate_heads
 from ..signals import SIGNALS, SignalInputs, coded_salience
 
 if TYPE_CHECKING:  # annotations only: the codec reads a config's fields, it never builds one
     from ..config import VarRateConfig
-
-
-def counted_dtype(config: VarRateConfig, kv_dtype: torch.dtype | None) -> torch.dtype | None:
-    """The dtype whose bytes the budget counts: `config.budget_dtype`, else the K/V's own (`kv_dtype`)."""
-    return kv_dtype if config.budget_dtype is None else getattr(torch, config.budget_dtype)
-
-
-def coefficient_budget(config: VarRateConfig, seq_len: int, n_exact: int, n_coded: int, width: int,
-                       kv_bytes: int, meta_bytes: int, rank: int | None = None) -> int:
-    """Eq. 3 in bytes: how many coefficients kappa * (full K/V bytes) leaves after the exact tokens
-    and every coded token's side information (anchor indices, rank). Counting the side information
-    inside the budget keeps the realised footprint at the budget on small-D models.
-
-    A coefficient costs `kv_bytes`, except with `coef_bits` and `quantized_budget="same_bytes"`:
-    then it costs bits/8 plus its share of its group's fp16 min and step, and each token is charged
-    one more (partial) group up front, so the realised bytes never exceed the budget. With
-    `"same_ranks"` the ranks are those of `kv_bytes` coefficients, less `same_ranks_overshoot` (zero
-    unless ranks as small as 1-3 are allowed); `rank` is the rank cap (default: `width`)."""
-    spare = config.budget * seq_len * width * kv_bytes - n_exact * width * kv_bytes - n_coded * meta_bytes
-    per_coef = kv_bytes
-    group_bytes = 2 * torch.empty(0, dtype=SCALE_DTYPE).element_size()
-    if config.coef_bits is not None and config.quantized_budget == "same_bytes":
-        spare -= n_coded * group_bytes + config.coef_bits  # partial groups, bit-packing pad
-        per_coef = config.coef_bits / 8 + group_bytes / config.coef_group
-    elif config.coef_bits is not None:
-        spare -= same_ranks_overshoot(config, n_coded, kv_bytes, group_bytes, rank or width)
-    return math.floor(spare / per_coef)  # < 0: the exact set and side information alone exceed the budget
-
-
-def same_ranks_overshoot(config: VarRateConfig, n_coded: int, kv_bytes: int, group_bytes: int, rank: int) -> float:
-    """The most bytes `n_coded` tokens' quantized coefficients can take beyond the same ranks at `kv_bytes`.
-
-    A token of rank r costs r * bits/8 plus ceil(r / group) groups' min and step, against r * kv_bytes:
-    more only at the smallest ranks (a group's 4 bytes outweigh the saving: r = 1 for 4-bit codes of fp32
-    K/V, up to r = 3 for 8-bit codes of fp16 K/V), plus the bit-packing pad. The excess is largest at the
-    lowest rank a token may get or where a new group starts (r = k * group + 1); a token at rank 0 costs
-    nothing either way. Zero at the usual r_min = 16, where every token saves more than the pad."""
-    bits, group = config.coef_bits, config.coef_group
-    lowest = max(min(config.r_min, rank), 1)
-    candidates = [lowest, *range(group * ((lowest - 1) // group + 1) + 1, rank + 1, group)]
-    worst = max(r * (bits / 8 - kv_bytes) + group_bytes * -(-r // group) for r in candidates)
-    per_token = max(worst, 0.0) if config.r_min == 0 else worst
-    return max(0.0, n_coded * per_token + bits)
 
 
 def encode_prompt(keys, values, queries, cos, sin, basis, config: VarRateConfig, scaling: float,
@@ -123,7 +81,7 @@ def compress_prompt(keys, values, queries, cos, sin, basis, config: VarRateConfi
     if salience is not None:
         with record_function("varrate.allocation"):
             ranks = allocate(salience, total, floor, rank)  # Eq. 5
-            plan = _plan(ranks, _group(config))
+            plan = _plan(ranks, _group(config), _by_component(config))
             coded_pos = _in_order(coded_pos, plan)  # coded positions, by decreasing rank (RankOrder)
     with record_function("varrate.joint"):
         z_anchors = _joint(keys, values, cos, sin, anchor_pos, scales)  # [A, D] fp32
@@ -135,7 +93,7 @@ def compress_prompt(keys, values, queries, cos, sin, basis, config: VarRateConfi
         with record_function("varrate.allocation"):
             salience = coded_salience(config.signal, dataclasses.replace(inputs, residuals=z))  # coded_pos order
             ranks = allocate(salience, total, floor, rank)
-            plan = _plan(ranks, _group(config))
+            plan = _plan(ranks, _group(config), _by_component(config))
             coded_pos, z, means, neighbours = (t if t is None else _in_order(t, plan)
                                                for t in (coded_pos, z, means, neighbours))
     mm_dtype = matmul_dtype(config.projection_dtype, keys.device)
@@ -209,7 +167,10 @@ def code_layout(code: PromptCode) -> RankOrder | DenseOrder:
     it reads the ranks back to the host: that is done once, its outcome kept on the code (`PromptCode.layout`,
     a `LayoutShape`), and later calls rebuild the layout's tensors on the device without reading anything."""
     if code.layout is None:
-        code.layout = layout_shape(_plan(code.ranks, code.coefs.group if isinstance(code.coefs, QuantizedCoefs) else 1))
+        quantized = code.coefs if isinstance(code.coefs, QuantizedCoefs) else None
+        by_component = quantized is not None and quantized.axis == "component"
+        group = quantized.group if quantized is not None and not by_component else 1
+        code.layout = layout_shape(_plan(code.ranks, group, by_component))
     return rebuild_layout(code.layout, code.ranks)
 
 
@@ -312,15 +273,20 @@ def _store(packed: torch.Tensor, ranks: torch.Tensor, dtype: torch.dtype, config
     return quantize(packed, ranks, config.coef_bits, config.coef_group)
 
 
-def _plan(ranks: torch.Tensor, group: int) -> RankOrder | DenseOrder:
-    """How the coded tokens' coefficients are laid out: one dense matrix where ranks are nearly equal,
-    else rank-sorted blocks. A function of the ranks and the quantization group only, so the encoder
-    and every later decode choose the same layout (and reconstruct bit for bit alike)."""
-    return dense_order(ranks, group) or rank_order(ranks)
+def _plan(ranks: torch.Tensor, group: int, by_component: bool = False) -> RankOrder | DenseOrder:
+    """How the coded tokens' coefficients are laid out: one dense matrix where ranks are nearly equal (always
+    with scales per component, which need the tokens in coded order), else rank-sorted blocks. A function of the
+    ranks and the quantization layout only, so the encoder and every later decode choose the same layout (and
+    reconstruct bit for bit alike)."""
+    return dense_order(ranks, group, slack=math.inf if by_component else DENSE_SLACK) or rank_order(ranks)
 
 
 def _group(config: VarRateConfig) -> int:
-    return config.coef_group if config.coef_bits is not None else 1
+    return config.coef_group if config.coef_bits is not None and not _by_component(config) else 1
+
+
+def _by_component(config: VarRateConfig) -> bool:
+    return config.coef_bits is not None and config.coef_scales == "component"
 
 
 def _in_order(rows: torch.Tensor, plan: RankOrder | DenseOrder) -> torch.Tensor:
@@ -332,6 +298,8 @@ def _store_dense(coefs: torch.Tensor, plan: DenseOrder, dtype: torch.dtype, conf
     """`_store` of dense coefficients [C, width] (overwritten; the stream is plan.to_stream(coefs))."""
     if config.coef_bits is None:
         return plan.to_stream(coefs).to(dtype)
+    if _by_component(config):
+        return quantize_components(coefs, plan, config.coef_bits)
     return quantize_dense(coefs, plan, config.coef_bits)
 
 

@@ -5,6 +5,12 @@ last group of a token may be shorter); a group stores its min and its step in fp
 coefficient as an unsigned b-bit integer, bit-packed 8 values to b bytes. Asymmetric min/step
 because a group of leading PCA coefficients is rarely centred on zero.
 
+With `coef_scales="component"` (`axis="component"`, beyond the paper) the scales sit on the other axis: the
+coded tokens are cut into groups of `COMPONENT_TOKENS` consecutive tokens, and each component has its own min
+and step in each (KIVI's layout for keys), so a small trailing component keeps its precision instead of taking
+the step of a large leading one, and the scales cost less per coefficient. The codes keep the stream's order;
+the scales are a [ceil(C / COMPONENT_TOKENS), W] grid (W: the widest rank), row-major.
+
 Shapes: packed stream x [N] (N = sum of ranks, token after token), ranks [C], groups [G].
 """
 
@@ -22,6 +28,8 @@ if TYPE_CHECKING:
 
 BITS = (2, 3, 4, 8)
 SCALE_DTYPE = torch.float16
+AXES = ("token", "component")
+COMPONENT_TOKENS = 64  # tokens per group of one component's scales (axis "component")
 
 
 @dataclass
@@ -32,8 +40,9 @@ class QuantizedCoefs:
     mins: torch.Tensor  # [G] fp16
     steps: torch.Tensor  # [G] fp16
     bits: int
-    group: int
+    group: int  # coefficients of one token per group; axis "component": tokens per group of one component
     count: int  # N
+    axis: str = "token"
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
@@ -41,7 +50,10 @@ class QuantizedCoefs:
     def nbytes_for(self, ranks: torch.Tensor) -> int:
         """Bytes a stream for these ranks takes (for a cropped prompt's accounting)."""
         values = int(ranks.sum())
-        groups = int(group_counts(ranks, self.group).sum())
+        if self.axis == "component":
+            groups = -(-ranks.numel() // self.group) * int(ranks.max()) if ranks.numel() else 0
+        else:
+            groups = int(group_counts(ranks, self.group).sum())
         return packed_bytes(values, self.bits) + groups * 2 * self.mins.element_size()
 
     def tensors(self) -> list[torch.Tensor]:
@@ -49,7 +61,7 @@ class QuantizedCoefs:
 
     def to(self, device) -> QuantizedCoefs:
         return QuantizedCoefs(self.codes.to(device), self.mins.to(device), self.steps.to(device), self.bits,
-                              self.group, self.count)
+                              self.group, self.count, self.axis)
 
 
 def packed_bytes(count: int, bits: int) -> int:
@@ -84,8 +96,11 @@ def quantize(x: torch.Tensor, ranks: torch.Tensor, bits: int, group: int) -> Qua
 
 def dequantize(coefs: QuantizedCoefs, ranks: torch.Tensor) -> torch.Tensor:
     """[N] fp32: min + q * step for every coefficient of the stream."""
-    sizes = group_sizes(ranks, coefs.group, coefs.mins.numel())
     q = unpack_bits(coefs.codes, coefs.bits, coefs.count).float()
+    if coefs.axis == "component":
+        index = component_index(coefs, ranks)
+        return q.mul_(coefs.steps.float()[index]).add_(coefs.mins.float()[index])
+    sizes = group_sizes(ranks, coefs.group, coefs.mins.numel())
     mins = torch.repeat_interleave(coefs.mins.float(), sizes, output_size=coefs.count)
     steps = torch.repeat_interleave(coefs.steps.float(), sizes, output_size=coefs.count)
     return q.mul_(steps).add_(mins)
@@ -108,6 +123,8 @@ def group_sizes(ranks: torch.Tensor, group: int, n_groups: int | None = None) ->
 
 def error_bound(coefs: QuantizedCoefs, ranks: torch.Tensor) -> torch.Tensor:
     """[N] the largest |x - dequantize(x)| rounding allows: half a step of the value's group."""
+    if coefs.axis == "component":
+        return coefs.steps.float()[component_index(coefs, ranks)] / 2
     sizes = group_sizes(ranks, coefs.group, coefs.mins.numel())
     return torch.repeat_interleave(coefs.steps.float(), sizes, output_size=coefs.count) / 2
 
@@ -205,6 +222,8 @@ def _quantize_runs(coefs: torch.Tensor, layout: DenseOrder) -> QuantizedCoefs | 
 
 def dequantize_dense(coefs: QuantizedCoefs, layout: DenseOrder) -> torch.Tensor:
     """`dequantize` laid out dense: [C, K * group] fp32, zeros past each row's rank (see `quantize_dense`)."""
+    if coefs.axis == "component":
+        return dequantize_components(coefs, layout)
     if layout.runs is not None:
         return layout.from_stream(dequantize_runs(coefs, layout))
     groups = layout.groups
@@ -220,6 +239,8 @@ def dequantize_runs(coefs: QuantizedCoefs, layout: DenseOrder) -> torch.Tensor:
     expanded per coefficient. 4-bit codes unpack straight into the fp32 result. (In bf16 the same steps
     ran 2x slower on CPU and rounded three times: convert the result instead.) On CPU, 4-bit codes go
     through the C loop of `native.c` where it is built: the same values, in one pass."""
+    if coefs.axis == "component":
+        return layout.to_stream(dequantize_components(coefs, layout))
     fast = native.dequantize_runs(coefs, layout.runs, torch.float32)
     if fast is not None:
         return fast
@@ -251,3 +272,56 @@ def _grid(groups: torch.Tensor, per_group: torch.Tensor) -> torch.Tensor:
     """Per-group values [G] (stream order) on the [C, K, 1] grid of `groups` (0 where a group is absent)."""
     grid = per_group.new_zeros(groups.shape, dtype=torch.float32).masked_scatter_(groups, per_group.float())
     return grid[..., None]
+
+
+def quantize_components(coefs: torch.Tensor, layout: DenseOrder, bits: int,
+                        group: int = COMPONENT_TOKENS) -> QuantizedCoefs:
+    """Dense coefficients [C, W] (`layout`'s rows, in coded order) quantized per component (axis "component"):
+    each component's values over `group` consecutive tokens share a min and step; entries past a row's rank
+    are left out of the ranges and of the stream."""
+    if bits not in BITS:
+        raise ValueError(f"coef_bits must be one of {list(BITS)} or None, got {bits!r}")
+    rows, width = coefs.shape
+    values = _by_token_groups(coefs.float(), group)  # [T, group, W]
+    mask = _by_token_groups(layout.mask, group)  # padding rows: False
+    lo = values.masked_fill(~mask, float("inf")).amin(dim=1)  # [T, W]
+    hi = values.masked_fill(~mask, float("-inf")).amax(dim=1)
+    present = mask.any(dim=1)
+    lo, hi = lo.masked_fill(~present, 0.0), hi.masked_fill(~present, 0.0)
+    levels = 2**bits - 1
+    dtype = scale_dtype(lo, hi)
+    mins = _round_down(lo, dtype)
+    steps = _round_up((hi - mins.float()) / levels, dtype)
+    divisors = steps.float().masked_fill(steps == 0, float("inf"))  # a constant group: q = 0, as `quantize`
+    q = values.sub_(mins.float()[:, None]).div_(divisors[:, None]).round_().clamp_(0, levels)
+    stream = layout.to_stream(q.view(-1, width)[:rows].to(torch.uint8))
+    return QuantizedCoefs(pack_bits(stream, bits), mins.reshape(-1), steps.reshape(-1), bits, group, stream.numel(),
+                          "component")
+
+
+def dequantize_components(coefs: QuantizedCoefs, layout: DenseOrder) -> torch.Tensor:
+    """`quantize_components` undone: [C, W] fp32, zeros past each row's rank."""
+    rows, width = layout.ranks.numel(), layout.width
+    q = layout.from_stream(unpack_bits(coefs.codes, coefs.bits, coefs.count), torch.float32)
+    grid = (-1, 1, width)
+    out = _by_token_groups(q, coefs.group).mul_(coefs.steps.float().view(grid)).add_(coefs.mins.float().view(grid))
+    return layout.zero_padding_(out.view(-1, width)[:rows])
+
+
+def component_index(coefs: QuantizedCoefs, ranks: torch.Tensor) -> torch.Tensor:
+    """[N] long: each stream value's entry in an axis-"component" scale grid (its token's group, its component)."""
+    ranks = ranks.long()
+    token = torch.repeat_interleave(torch.arange(ranks.numel(), device=ranks.device), ranks, output_size=coefs.count)
+    starts = torch.cumsum(ranks, 0) - ranks
+    column = torch.arange(coefs.count, device=ranks.device) - starts[token]
+    width = coefs.mins.numel() // max(-(-ranks.numel() // coefs.group), 1)
+    return token // coefs.group * width + column
+
+
+def _by_token_groups(x: torch.Tensor, group: int) -> torch.Tensor:
+    """[C, W] -> [ceil(C / group), group, W], the last group padded with zeros (False)."""
+    rows, width = x.shape
+    pad = -rows % group
+    if pad:
+        x = torch.cat((x, x.new_zeros(pad, width)))
+    return x.view(-1, group, width)

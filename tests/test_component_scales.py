@@ -1,0 +1,110 @@
+"""Tier (a): coefficient scales per component (`coef_scales="component"`, beyond the paper): each component's
+values over `COMPONENT_TOKENS` consecutive coded tokens share an fp16 min and step, instead of each group of
+`coef_group` coefficients of one token (the paper's App. A.4)."""
+
+import pytest
+import torch
+
+from hf_varrate import VarRateConfig
+from hf_varrate.codec import compress_prompt, decode_prompt, encode_prompt
+from hf_varrate.codec.projection import dense_order
+from hf_varrate.codec.quantization import (
+    COMPONENT_TOKENS, dequantize, dequantize_dense, dequantize_runs, error_bound, quantize_components, quantize_dense,
+)
+
+from test_codec import make_prompt, random_orthonormal
+from test_quantization import realistic_prompt
+
+COMPONENT = {"coef_scales": "component", "signal": "uniform", "quantized_budget": "same_bytes"}
+
+
+def decaying(rows=300, width=51, seed=0):
+    """Dense coefficients [rows, width] whose components shrink like a PCA spectrum's, and their uniform ranks:
+    the first 37 tokens one wider (the water-fill's remainder), so the last column is partly padding."""
+    g = torch.Generator().manual_seed(seed)
+    coefs = torch.randn(rows, width, generator=g) * 10 * 0.9 ** torch.arange(width)
+    ranks = torch.full((rows,), width - 1)
+    ranks[:37] = width
+    return coefs, ranks
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("rows", [1, COMPONENT_TOKENS, 300])
+def test_component_scales_round_trip_within_half_a_step_in_every_layout(bits, rows):
+    coefs, ranks = decaying(rows)
+    ranks = ranks[:rows]
+    plan = dense_order(ranks, 1)
+    q = quantize_components(coefs.clone(), plan, bits)
+    assert q.axis == "component" and q.count == int(ranks.sum())
+    dense = dequantize_dense(q, plan)
+    assert (dense[~plan.mask] == 0).all()  # the padding decodes to zero
+    stream = plan.to_stream(coefs)
+    assert torch.equal(dequantize(q, ranks), plan.to_stream(dense))
+    assert torch.equal(dequantize_runs(q, plan), plan.to_stream(dense))
+    bound = error_bound(q, ranks)
+    assert ((plan.to_stream(dense) - stream).abs() <= bound * (1 + 1e-5) + 1e-6 * stream.abs()).all()
+    assert q.nbytes() == q.nbytes_for(ranks)
+    groups = -(-rows // COMPONENT_TOKENS) * int(ranks.max())
+    assert q.mins.numel() == q.steps.numel() == groups
+
+
+def test_a_scale_per_component_keeps_small_components_precise_for_fewer_bytes():
+    """The mechanism: per token, a group's step follows its largest (leading) coefficient, so the trailing ones
+    round to nearly nothing; per component each gets a step of its own size, and the scales cost less. (The
+    leading components pay for it: a range over 64 tokens is wider than one over a token's 32 coefficients.
+    Whether the sum falls depends on the spectrum: tests below and studies.coefficient_bits measure it.)"""
+    coefs, ranks = decaying()
+    plan = dense_order(ranks, 32, slack=float("inf"))  # width 64: two groups of 32 per token
+    wide = torch.cat((coefs, coefs.new_zeros(coefs.shape[0], plan.width - coefs.shape[1])), dim=1)
+    token = dequantize_dense(quantize_dense(wide.clone(), plan, 3), plan)[:, :51]
+    plan1 = dense_order(ranks, 1)
+    component = dequantize_dense(quantize_components(coefs.clone(), plan1, 3), plan1)
+    mask = plan1.mask
+    tail = mask.clone()  # the second half of each per-token group, whose step its first components set
+    tail[:, :16] = tail[:, 32:48] = False
+    err = lambda decoded, where: float((decoded - coefs)[where].square().sum())  # noqa: E731
+    assert err(component, tail) < 0.2 * err(token, tail)
+    assert quantize_components(coefs.clone(), plan1, 3).nbytes() < quantize_dense(wide.clone(), plan, 3).nbytes()
+
+
+@pytest.mark.parametrize("budget", [0.1, 0.2])
+def test_component_scales_meet_the_budget_and_buy_rank(budget):
+    (keys, values, queries, cos, sin), basis = realistic_prompt()
+    codes = {}
+    for scales in ("token", "component"):
+        config = VarRateConfig(budget=budget, coef_bits=3, window=16, **{**COMPONENT, "coef_scales": scales})
+        codes[scales] = encode_prompt(keys, values, queries, cos, sin, basis, config, 0.125)
+    code = codes["component"]
+    assert code.coefs.axis == "component" and codes["token"].coefs.axis == "token"
+    assert code.nbytes() <= budget * code.full_nbytes()
+    assert code.nbytes() >= budget * code.full_nbytes() * 0.98
+    assert int(code.ranks.max()) - int(code.ranks.min()) <= 1  # uniform ranks: the grid is as wide as a rank
+    assert code.ranks.long().sum() > 1.15 * codes["token"].ranks.long().sum()
+
+
+@pytest.mark.parametrize("seq_len", [700, 2000])
+def test_decoding_reproduces_the_encoders_reconstruction(seq_len):
+    keys, values, queries, cos, sin = make_prompt(seq_len=seq_len, heads=2, dim=16)
+    basis = random_orthonormal(64, 64)
+    config = VarRateConfig(budget=0.3, coef_bits=3, **COMPONENT)
+    code, k_hat, v_hat = compress_prompt(keys, values, queries, cos, sin, basis, config, 0.25)
+    exact = code.exact_pos
+    k_dec, v_dec = decode_prompt(code, keys[:, :, exact], values[:, :, exact], cos, sin, basis)
+    assert torch.equal(k_dec, k_hat) and torch.equal(v_dec, v_hat)
+    assert torch.equal(k_dec[:, :, exact], keys[:, :, exact]) and torch.equal(v_dec[:, :, exact], values[:, :, exact])
+    assert code.nbytes() <= 0.3 * code.full_nbytes()
+
+
+@pytest.mark.parametrize("field,value", [("coef_bits", None), ("signal", "snapkv"), ("allocation", "topk"),
+                                         ("quantized_budget", "same_ranks")])
+def test_component_scales_name_what_they_need(field, value):
+    settings = {"coef_bits": 3, **COMPONENT, field: value}
+    with pytest.raises(ValueError, match=f"coef_scales='component' needs {field}="):
+        VarRateConfig(**settings)
+
+
+def test_unknown_scales_and_the_reference_implementation_are_refused():
+    with pytest.raises(ValueError, match="coef_scales must be one of"):
+        VarRateConfig(coef_scales="channel")
+    with pytest.raises(ValueError, match="implementation='reference'.*coef_scales"):
+        VarRateConfig(coef_bits=3, implementation="reference", **COMPONENT)
