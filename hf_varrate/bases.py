@@ -45,7 +45,7 @@ from .bases_checks import (  # noqa: F401 (re-exported: the artifact's names and
     shape_metadata,
 )
 from .card import render_card, tensor_header
-from .config import VarRateConfig
+from .config import LOW_BUDGET_KEY, VarRateConfig
 from .config_checks import fall_back
 from .errors import BasesError, CalibrationOverrideWarning
 from .files import replacing_folder
@@ -112,11 +112,15 @@ class Bases:
         the defaults a cache coding with them should use."""
         return {k: self.metadata[k] for k in ("stride", "window", "n_anchors") if k in self.metadata}
 
-    def tuned_settings(self, preset: str) -> dict:
+    def tuned_settings(self, preset: str, low_budget: bool = False) -> dict:
         """Settings chosen for this model on a development split and confirmed on a held-out one, that `preset`
-        takes with these bases (the artifact's `presets` field, e.g. {"recommended": {"key_weight": 4.0}})."""
+        takes with these bases (the artifact's `presets` field, e.g. {"recommended": {"key_weight": 4.0}}); with
+        `low_budget` (a budget at which the preset takes its low-budget settings) also those of its `low_budget`
+        entry, e.g. {"recommended": {"key_weight": 4.0, "low_budget": {"coef_scales": "component"}}}."""
         tuned = self.metadata.get("presets", {})
-        return dict(tuned.get(preset, {})) if isinstance(tuned, dict) else {}
+        settings = dict(tuned.get(preset, {})) if isinstance(tuned, dict) else {}
+        low = settings.pop(LOW_BUDGET_KEY, {})
+        return {**settings, **low} if low_budget else settings
 
     def config(self, preset: str = "recommended", *, stacklevel: int = 2, **overrides) -> VarRateConfig:
         """The config a cache coding with these bases uses: `preset`'s defaults ('recommended' or 'paper'),
@@ -142,7 +146,8 @@ class Bases:
                 f"basis was fitted to. Recalibrate with the same settings (hf-varrate calibrate --stride ...) to "
                 f"match them", CalibrationOverrideWarning, stacklevel=stacklevel)
         low = VarRateConfig.low_budget_settings(preset, overrides)  # the preset's own, over the calibrated window
-        config = VarRateConfig.preset(preset, **{**calibrated, **low, **self.tuned_settings(preset), **overrides})
+        tuned = self.tuned_settings(preset, low_budget=bool(low))
+        config = VarRateConfig.preset(preset, **{**calibrated, **low, **tuned, **overrides})
         return fall_back(config, preset, overrides, spectrum=bool(self.spectra),
                          measured=bool(self.metadata.get("layer_sensitivity")), stacklevel=stacklevel + 1)
 

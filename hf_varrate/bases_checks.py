@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from .architecture import ModelShape, describe
-from .config import VarRateConfig
+from .config import LOW_BUDGET, LOW_BUDGET_KEY, VarRateConfig
 from .config_checks import PRESETS
 from .errors import BasesError
 from .rotary import RotaryFrequencies
@@ -111,8 +111,14 @@ def check_tuned(meta: dict) -> None:
         raise BasesError(f"{CONFIG_NAME} field presets must map preset names ({list(PRESETS)}) to settings, got "
                          f"{tuned!r:.200}; fix or remove the field")
     for name, settings in tuned.items():
+        low = settings.get(LOW_BUDGET_KEY, {})
+        if not isinstance(low, dict):
+            raise BasesError(f"{CONFIG_NAME} field presets.{name}.{LOW_BUDGET_KEY} must map settings to values, got "
+                             f"{low!r:.200}; fix or remove the field")
         try:
-            VarRateConfig.preset(name, **settings)
+            plain = {k: v for k, v in settings.items() if k != LOW_BUDGET_KEY}
+            VarRateConfig.preset(name, **plain)
+            VarRateConfig.preset(name, **{**plain, "budget": LOW_BUDGET, **low})
         except (TypeError, ValueError) as err:
             raise BasesError(f"{CONFIG_NAME} field presets.{name} is not a valid setting: {err}; fix or remove the "
                              f"field") from err

@@ -10,6 +10,7 @@ from importlib import resources
 from string import Template
 
 from .bases_checks import BUILD_HINT, WEIGHTS_NAME
+from .config import LOW_BUDGET, LOW_BUDGET_KEY
 from .codec.layer_budget import recorded_scales
 from .version import __version__
 
@@ -76,8 +77,12 @@ def _shape_table(meta: dict, spectrum: bool = False) -> str:
             rows.append((f"measured per-layer budget scales at {budget}",
                          ", ".join(f"{i}: {s:g}" for i, s in sorted(scales.items()))))
     for preset, settings in sorted((meta.get("presets") or {}).items()):  # chosen for this model, held-out confirmed
-        rows.append((f"preset `{preset}` with these bases", ", ".join(f"{k}={v}" for k, v in sorted(settings.items()))
-                     + " (chosen on a development split, confirmed on a held-out one: docs/accuracy_dev.md)"))
+        low = settings.get(LOW_BUDGET_KEY, {})
+        plain = ", ".join(f"{k}={v}" for k, v in sorted(settings.items()) if k != LOW_BUDGET_KEY)
+        at_low = ", ".join(f"{k}={v!r}" for k, v in sorted(low.items()))
+        text = ", ".join(part for part in (plain, at_low and f"at budget <= {LOW_BUDGET} also {at_low}") if part)
+        rows.append((f"preset `{preset}` with these bases",
+                     text + " (chosen on a development split, confirmed on a held-out one: docs/accuracy_dev.md)"))
     return "\n".join(f"| {name} | {value} |" for name, value in rows)
 
 

@@ -334,3 +334,4 @@ RECOMMENDED_PRESET = {"coef_bits": 4, "quantized_budget": "same_bytes", "anchor_
 # round 7); bases that carry no measurement keep uniform budgets (`Bases.config`).
 LOW_BUDGET = 0.1
 LOW_BUDGET_PRESET = {"window": 16, "coef_bits": 3, "layer_budgets": "measured"}
+LOW_BUDGET_KEY = "low_budget"  # in bases' tuned settings (`Bases.tuned_settings`): what a preset adds at LOW_BUDGET

@@ -15,6 +15,7 @@ from safetensors.torch import save
 
 from hf_varrate import Bases, BasesError, VarRateCache, unbind
 from hf_varrate.bases import BUILD_HINT, CONFIG_NAME, WEIGHTS_NAME, looks_local, read_artifact
+from hf_varrate.card import render_card
 
 WIDTH = 64  # the tiny models' D = 2 * 2 heads * 16
 META = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "width": WIDTH, "compressed_layers": [0, 1],
@@ -191,8 +192,23 @@ def test_settings_tuned_for_the_model_are_what_its_preset_takes(tmp_path):
     assert bases.config("recommended", balance="none", key_weight=2.0).key_weight == 2.0  # the caller's word wins
 
 
+def test_settings_tuned_for_low_budgets_apply_only_there(tmp_path):
+    tuned = {"recommended": {"key_weight": 4.0, "low_budget": {"coef_scales": "component"}}}
+    write_artifact(tmp_path, good_tensors(), {**META, "presets": tuned})
+    bases = Bases.from_pretrained(tmp_path)
+    low = bases.config("recommended", balance="none", budget=0.1)
+    assert (low.coef_scales, low.key_weight, low.coef_bits, low.window) == ("component", 4.0, 3, 16)
+    high = bases.config("recommended", balance="none", budget=0.2)
+    assert (high.coef_scales, high.key_weight) == ("token", 4.0)
+    assert bases.config("recommended", balance="none", budget=0.1, coef_scales="token").coef_scales == "token"
+    assert bases.config("paper", budget=0.1).coef_scales == "token"
+    assert "at budget <= 0.1 also coef_scales='component'" in render_card(bases.metadata)
+
+
 @pytest.mark.parametrize("presets, message", [
     ([1], "presets must map preset names"),
+    ({"recommended": {"low_budget": 3}}, r"presets\.recommended\.low_budget must map settings"),
+    ({"recommended": {"low_budget": {"coef_scales": "diagonal"}}}, r"presets\.recommended is not a valid setting: coef_sc"),
     ({"fast": {}}, "presets must map preset names"),
     ({"recommended": {"key_weight": -1.0}}, r"presets\.recommended is not a valid setting: key_weight"),
     ({"recommended": {"no_such_field": 1}}, r"presets\.recommended is not a valid setting: .*no_such_field"),
