@@ -108,3 +108,27 @@ def test_unknown_scales_and_the_reference_implementation_are_refused():
         VarRateConfig(coef_scales="channel")
     with pytest.raises(ValueError, match="implementation='reference'.*coef_scales"):
         VarRateConfig(coef_bits=3, implementation="reference", **COMPONENT)
+
+
+def test_a_saved_cache_with_an_unknown_scale_axis_is_refused_naming_the_field(tiny_llama, tmp_path):
+    import json
+
+    from hf_varrate import Bases, VarRateCache
+    from hf_varrate.cache_checks import CONFIG_NAME, seal
+    from hf_varrate.errors import CacheFileError
+
+    from test_cache import SMALL
+
+    cache = VarRateCache(Bases.identity(tiny_llama.config), model=tiny_llama, budget=0.4, coef_bits=3,
+                         **{**SMALL, **COMPONENT})
+    with torch.no_grad():
+        tiny_llama(torch.randint(2, 128, (1, 300), generator=torch.Generator().manual_seed(0)), past_key_values=cache)
+    cache.compress()
+    cache.save_pretrained(tmp_path)
+    meta = json.loads((tmp_path / CONFIG_NAME).read_text())
+    text = json.dumps(meta)
+    assert '"axis": "component"' in text
+    (tmp_path / CONFIG_NAME).write_text(json.dumps(seal(json.loads(text.replace('"axis": "component"',
+                                                                                  '"axis": "diagonal"')))))
+    with pytest.raises(CacheFileError, match="quantized.axis"):
+        VarRateCache.load(tmp_path, model=tiny_llama)
