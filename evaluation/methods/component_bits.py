@@ -12,7 +12,8 @@ token's reconstruction from its anchor residual (the code's own anchors, neighbo
 the other way, with at most the bytes the codec's coefficients took. The footprint reported is the codec's
 (the rewrite spends no more); the side information of `per_component_best` (a bit width per component,
 one byte each) is left out, under 0.1% of a layer's codes. The rewrite's time is not counted: a library
-layout would cost about what the codec's does.
+layout would cost about what the codec's does. Round 9 chose `per_component` (docs/accuracy_dev.md); the
+library's `coef_scales="component"` now codes it itself, with its own byte accounting (about the same rank).
 """
 
 from __future__ import annotations
