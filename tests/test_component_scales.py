@@ -132,3 +132,16 @@ def test_a_saved_cache_with_an_unknown_scale_axis_is_refused_naming_the_field(ti
                                                                                   '"axis": "diagonal"')))))
     with pytest.raises(CacheFileError, match="quantized.axis"):
         VarRateCache.load(tmp_path, model=tiny_llama)
+
+
+@pytest.mark.parametrize("storage", ["materialized", "compact"])
+def test_later_turns_are_coded_with_component_scales_too(tiny_llama, storage):
+    from test_turns import chat, make_cache
+
+    cache = make_cache(tiny_llama, storage=storage, coef_bits=3, **COMPONENT)
+    chat(tiny_llama, cache)
+    layer = cache.layers[0]
+    codes = [layer.codes[0], *(code for turn in layer.turns for code in turn.codes)]
+    assert len(codes) == 3 and all(c.coefs.axis == "component" for c in codes)
+    assert not any(c.stored_exactly for c in codes)
+    assert abs(cache.footprint().prompt_fraction - 0.3) < 0.05
