@@ -21,8 +21,8 @@ SMALL = dict(stride=8, window=16, obs_window=16, r_min=2)  # lets short prompts 
 STORAGES = ["materialized", "compact"]
 
 
-def tiny_press(model, budget=0.5):
-    return VarRatePress(Bases.identity(model.config), VarRateConfig(budget=budget, **SMALL))
+def tiny_press(model, budget=0.5, **overrides):
+    return VarRatePress(Bases.identity(model.config), VarRateConfig(budget=budget, **{**SMALL, **overrides}))
 
 
 def ids_of(model, length=200, seed=0):
@@ -47,9 +47,11 @@ def test_varrate_press_is_a_kvpress_base_press_that_evicts_nothing(tiny_llama):
         VarRatePress(Bases.identity(tiny_llama.config), {"budget": 0.5})
 
 
-def test_the_press_codes_the_prompt_as_a_varrate_cache_does(tiny_llama):
+@pytest.mark.parametrize("overrides", [{}, {"coef_bits": 3, "coef_scales": "component", "signal": "uniform",
+                                             "quantized_budget": "same_bytes"}])
+def test_the_press_codes_the_prompt_as_a_varrate_cache_does(tiny_llama, overrides):
     ids = ids_of(tiny_llama)
-    press = tiny_press(tiny_llama)
+    press = tiny_press(tiny_llama, **overrides)
     cache = prefill(tiny_llama, press, ids)
     exact = prefill(tiny_llama, kvpress.KnormPress(compression_ratio=0.0), ids)
     # the press codes the K/V as the forward computes them; the cache holds them so with hold_dtype="model"
