@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from .codec.quantization import AXES, BITS, group_counts, packed_bytes
+from .codec.quantization import AXES, BITS, packed_bytes, scale_count
 from .errors import CacheFileError
 
 TENSORS_NAME = "cache.safetensors"
@@ -168,10 +168,7 @@ def _check_codes(row: dict, tensors: dict, ctx: _Where, n_coded: int, n_anchors:
     _tensor(tensors, ctx, "codes", (torch.uint8,), (packed_bytes(total, bits),))
     axis = q.get("axis", "token")
     expect(axis in AXES, ctx.field("quantized.axis"), axis, f"one of {list(AXES)} (or absent: 'token')")
-    if axis == "token":
-        groups = int(group_counts(ranks, group).sum())
-    else:  # a [ceil(C / group), widest rank] grid
-        groups = -(-n_coded // group) * int(ranks.long().max()) if n_coded else 0
+    groups = scale_count(ranks, group, axis)
     mins = _tensor(tensors, ctx, "mins", (torch.float16, torch.float32), (groups,))
     _tensor(tensors, ctx, "steps", (mins.dtype,), (groups,))
 

@@ -49,12 +49,8 @@ class QuantizedCoefs:
 
     def nbytes_for(self, ranks: torch.Tensor) -> int:
         """Bytes a stream for these ranks takes (for a cropped prompt's accounting)."""
-        values = int(ranks.sum())
-        if self.axis == "component":
-            groups = -(-ranks.numel() // self.group) * int(ranks.max()) if ranks.numel() else 0
-        else:
-            groups = int(group_counts(ranks, self.group).sum())
-        return packed_bytes(values, self.bits) + groups * 2 * self.mins.element_size()
+        groups = scale_count(ranks, self.group, self.axis)
+        return packed_bytes(int(ranks.sum()), self.bits) + groups * 2 * self.mins.element_size()
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.codes, self.mins, self.steps]
@@ -72,6 +68,14 @@ def packed_bytes(count: int, bits: int) -> int:
 def group_counts(ranks: torch.Tensor, group: int) -> torch.Tensor:
     """[C] number of groups of each token: ceil(r_t / group)."""
     return (ranks.long() + group - 1) // group
+
+
+def scale_count(ranks: torch.Tensor, group: int, axis: str = "token") -> int:
+    """How many (min, step) pairs a stream for these ranks holds: one per group of each token, or (axis
+    "component") a [ceil(C / group), widest rank] grid."""
+    if axis == "component":
+        return -(-ranks.numel() // group) * int(ranks.long().max()) if ranks.numel() else 0
+    return int(group_counts(ranks, group).sum())
 
 
 def quantize(x: torch.Tensor, ranks: torch.Tensor, bits: int, group: int) -> QuantizedCoefs:
