@@ -3,8 +3,8 @@
 A compact layer reconstructs its coded keys at every read and must rotate them exactly as the model
 did at the prefill. Holding the prefill's cos/sin [S, d] per layer would cost memory, so the cache
 keeps the model's `inv_freq` [d/2] and `attention_scaling` (bytes) and recomputes the tables; the
-layer checks at its prefill that they equal the model's own bit for bit (`offset_of`) and stays
-materialized where they don't (e.g. custom position ids). One forward computes them once for all
+layer checks at its prefill that they are the model's own to within rounding (`offset_of`) and stays
+materialized where they aren't (e.g. custom position ids). One forward computes them once for all
 layers (`RopeMemo`), and drops them when its last compact layer has read.
 """
 
@@ -46,11 +46,17 @@ class RotaryFrequencies:
 
     def offset_of(self, cos: torch.Tensor, sin: torch.Tensor, candidates=(0,)) -> int | None:
         """The first offset o among `candidates` for which the model's tables cos, sin [1, n, d] are ours
-        for positions o..o+n-1, bit for bit (checked on a spread sample of positions); None if none is."""
+        for positions o..o+n-1 (checked on a spread sample of positions); None if none is.
+
+        "Ours" allows two units of rounding (`ROUNDING_ULPS`): a cos or sin computed by another kernel (a
+        vectorized one, another thread split) may differ from ours in the last bit, which moves a re-rotated
+        key by ~1e-7 of its norm. Another offset, other positions or other frequencies move the fastest pair's
+        angle by about a radian, far outside that."""
         picks = sample_positions(cos.shape[1], device=cos.device)
+        tolerance = ROUNDING_ULPS * torch.finfo(cos.dtype).eps * max(1.0, abs(self.scaling))
         for offset in candidates:
             mine_cos, mine_sin = self.tables_at(picks + offset, cos.dtype)
-            if torch.equal(mine_cos, cos[:, picks]) and torch.equal(mine_sin, sin[:, picks]):
+            if within(mine_cos, cos[:, picks], tolerance) and within(mine_sin, sin[:, picks], tolerance):
                 return offset
         return None
 
@@ -79,6 +85,14 @@ class RotaryFrequencies:
             if torch.is_tensor(inv_freq):
                 return cls(inv_freq.detach().float().clone(), float(1.0 if scaling is None else scaling))
         return None
+
+
+ROUNDING_ULPS = 2  # of the tables' dtype, at magnitude 1: what `offset_of` lets a model's cos/sin differ from ours
+
+
+def within(mine: torch.Tensor, theirs: torch.Tensor, tolerance: float) -> bool:
+    """Same shape, and every element within `tolerance` (NaN never is)."""
+    return mine.shape == theirs.shape and bool(((mine.float() - theirs.float()).abs() <= tolerance).all())
 
 
 class RopeMemo:

@@ -170,6 +170,37 @@ def test_compact_falls_back_to_materialized_when_positions_are_not_0_to_n(tiny_l
     assert cache.layers[0].keys.shape[-2] == 300
 
 
+def test_tables_that_differ_from_ours_in_the_last_bit_keep_compact_storage_and_save(tiny_llama, tmp_path, monkeypatch):
+    """A model whose rotary kernel rounds its cos/sin one ulp away from ours (another vectorization or thread
+    split) still has its keys re-rotated by ours: compact holds, saves, and answers as materialized does."""
+    rotary = tiny_llama.model.rotary_emb
+    forward = rotary.forward
+
+    def one_ulp_up(*args, **kwargs):
+        cos, sin = forward(*args, **kwargs)
+        return torch.nextafter(cos, torch.full_like(cos, 2.0)), torch.nextafter(sin, torch.full_like(sin, 2.0))
+
+    monkeypatch.setattr(rotary, "forward", one_ulp_up)
+    ids = prompt(tiny_llama, 300)
+    caches = {storage: make(tiny_llama, storage) for storage in ("materialized", "compact")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", VarRateWarning)  # no fallback warning
+        outs = {storage: greedy(tiny_llama, ids, cache, new=8) for storage, cache in caches.items()}
+    assert all(layer.compact for layer in caches["compact"].layers if isinstance(layer, VarRateLayer))
+    assert torch.equal(outs["materialized"], outs["compact"])
+    caches["compact"].save_pretrained(tmp_path / "doc")  # every offset recorded
+
+
+def test_tables_one_position_off_still_fall_back(tiny_llama):
+    """The tolerance is rounding, not a position: tables of positions 1..n (one off) are not ours."""
+    rope = RotaryFrequencies.from_model(tiny_llama)
+    cos, sin = rope.tables_at(torch.arange(1, 301), torch.float32)
+    assert rope.offset_of(cos, sin) is None
+    assert rope.offset_of(cos, sin, (0, 1)) == 1
+    bf_cos, bf_sin = rope.tables_at(torch.arange(1, 301), torch.bfloat16)
+    assert rope.offset_of(bf_cos, bf_sin) is None
+
+
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_gemma3"])
 def test_rotary_frequencies_reproduce_the_models_tables(fixture, request):
     model = request.getfixturevalue(fixture)

@@ -88,7 +88,7 @@ def rope_turns(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype):
     """cos, sin [1, n, d] at `positions` [n], computed the way transformers' rotary embeddings compute
     them (fp32 angles, cat(freqs, freqs), cos * attention_scaling, cast last). Whether they match a
-    given model bit for bit is checked where they are used."""
+    given model's (to within rounding) is checked where they are used."""
     freqs = positions.float()[:, None] * inv_freq.to(device=positions.device, dtype=torch.float32)[None, :]
     cos, sin = freqs.cos(), freqs.sin()  # [n, d/2]
     cos, sin = torch.cat((cos, cos), dim=-1) * scaling, torch.cat((sin, sin), dim=-1) * scaling

@@ -198,7 +198,7 @@ class VarRateLayer(TurnsMixin, DynamicLayer):
 
     def rope_known(self) -> str | None:
         """Why compact storage could not re-rotate this layer's keys with recomputed RoPE tables (they must be
-        the model's, bit for bit), or None if it can: for the coded prompt, or for the held one."""
+        the model's, to within rounding), or None if it can: for the coded prompt, or for the held one."""
         if self.rope is None:
             return "the cache has no rotary frequencies (build it with model=model)"
         offsets = self.offsets
