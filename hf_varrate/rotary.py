@@ -56,7 +56,8 @@ class RotaryFrequencies:
         tolerance = ROUNDING_ULPS * torch.finfo(cos.dtype).eps * max(1.0, abs(self.scaling))
         for offset in candidates:
             mine_cos, mine_sin = self.tables_at(picks + offset, cos.dtype)
-            if within(mine_cos, cos[:, picks], tolerance) and within(mine_sin, sin[:, picks], tolerance):
+            if (torch.allclose(mine_cos, cos[:, picks], rtol=0.0, atol=tolerance)
+                    and torch.allclose(mine_sin, sin[:, picks], rtol=0.0, atol=tolerance)):
                 return offset
         return None
 
@@ -88,11 +89,6 @@ class RotaryFrequencies:
 
 
 ROUNDING_ULPS = 2  # of the tables' dtype, at magnitude 1: what `offset_of` lets a model's cos/sin differ from ours
-
-
-def within(mine: torch.Tensor, theirs: torch.Tensor, tolerance: float) -> bool:
-    """Same shape, and every element within `tolerance` (NaN never is)."""
-    return mine.shape == theirs.shape and bool(((mine.float() - theirs.float()).abs() <= tolerance).all())
 
 
 class RopeMemo:
