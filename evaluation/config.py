@@ -43,6 +43,7 @@ class EvalConfig:
     bootstrap_samples: int = 20_000
     wait_for_bases_s: int = 0  # poll this long for shipped bases that are still being built
     report_every: int = 10  # rewrite tables and plots every this many examples
+    answer_nll: bool = False  # also score the gold answer's NLL (teacher-forced) for generated-answer tasks
 
     @property
     def output_dir(self) -> Path:

@@ -1,4 +1,5 @@
-"""Reading a compressed cache: greedy answers and continuation NLL, as kvpress's pipeline does.
+"""Reading a compressed cache: greedy answers and continuation NLL, as kvpress's pipeline does, and the gold
+answer's NLL.
 
 Positions are explicit (the prompt's length, not the cache's: an evicting cache is shorter), the
 tail is fed in one forward, then greedy decoding until an EOS token or `max_new_tokens`. Every read
@@ -73,6 +74,22 @@ def continuation_nll(model, cache, masks, continuation: list[int], start: int,
         logits = feed(model, cache, continuation, start, logits_to_keep=0)[0, :-1].float()
     nll = F.cross_entropy(logits, ids[0, 1:], reduction="sum")
     return float(nll), len(continuation) - 1
+
+
+def answer_nll(model, cache, masks, tail: list[int], answer: list[int], start: int) -> float | None:
+    """Mean NLL per token of the gold `answer` fed after `tail` (teacher-forced, positions start..), read from
+    a copy of `cache`; None where the cache cannot be copied (quanto's quantized tensors). A graded measure of
+    how sure the model still is of the right answer: two caches that both answer right (or both wrong) differ
+    here too, so paired comparisons of it resolve smaller differences than the 0/1 match does."""
+    if not answer:
+        raise ValueError("answer_nll needs the answer's token ids, got none")
+    try:
+        cache = copy.deepcopy(cache)
+    except (TypeError, RuntimeError, NotImplementedError):
+        return None
+    with torch.no_grad(), installed_masks(model, masks):
+        logits = feed(model, cache, tail + answer[:-1], start, logits_to_keep=len(answer))[0].float()  # [A, V]
+    return float(F.cross_entropy(logits, torch.tensor(answer), reduction="mean"))
 
 
 def feed(model, cache, tail: list[int], start: int, logits_to_keep: int = 1) -> torch.Tensor:

@@ -56,8 +56,13 @@ def pooled(rows: list[dict]) -> list[dict]:
     return [{**row, "task": "niah (pooled)"} for row in rows if row["task"].startswith("niah")]
 
 
-def compare(rows: list[dict], pairs: list[list[str]], samples: int = 20_000) -> list[dict]:
-    """Paired comparisons per cell, plus per (model, length, regime) over the needle tasks pooled."""
+def compare(rows: list[dict], pairs: list[list[str]], samples: int = 20_000, value: str = "score") -> list[dict]:
+    """Paired comparisons per cell, plus per (model, length, regime) over the needle tasks pooled.
+
+    `value` "answer_nll" compares the gold answer's NLL instead of the score (rows that have one; positive: A
+    is surer of the right answer), in nats per answer token."""
+    if value == "answer_nll":
+        rows = [row for row in rows if row.get("answer_nll") is not None]
     out = []
     for cell, methods in sorted(cells(rows + pooled(rows)).items(), key=lambda kv: tuple(map(str, kv[0]))):
         for a, b in pairs:
@@ -66,12 +71,13 @@ def compare(rows: list[dict], pairs: list[list[str]], samples: int = 20_000) -> 
             ids = sorted(set(methods[a]) & set(methods[b]))
             if not ids:
                 continue
-            nll = methods[a][ids[0]]["metric"] == "nll"
-            sa = [methods[a][i]["score"] for i in ids]
-            sb = [methods[b][i]["score"] for i in ids]
+            nll = value == "answer_nll" or methods[a][ids[0]]["metric"] == "nll"
+            sa = [methods[a][i][value] for i in ids]
+            sb = [methods[b][i][value] for i in ids]
             result = paired_comparison(sb, sa, samples=samples) if nll else paired_comparison(
                 [100 * x for x in sa], [100 * x for x in sb], samples=samples)
-            out.append({**dict(zip(CELL, cell)), "a": a, "b": b, "unit": "nll" if nll else "points",
+            unit = "nats / answer token" if value == "answer_nll" else "nll" if nll else "points"
+            out.append({**dict(zip(CELL, cell)), "a": a, "b": b, "unit": unit,
                         **result.to_dict(), "fraction_a": _mean_fraction(methods[a], ids),
                         "fraction_b": _mean_fraction(methods[b], ids)})
     return out

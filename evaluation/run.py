@@ -80,6 +80,7 @@ def write_report(config, out: Path, config_path: str) -> None:
     rows = load_rows(out / "examples.jsonl")
     table = report.summarize(rows, config.bootstrap_samples)
     comparisons = report.compare(rows, config.comparisons, config.bootstrap_samples)
+    graded = report.compare(rows, config.comparisons, config.bootstrap_samples, value="answer_nll")
     progress = report.progress(rows, config)
     needle = report.needle_ranks(rows)
     digits = report.needle_digits(rows)
@@ -87,6 +88,8 @@ def write_report(config, out: Path, config_path: str) -> None:
     report.write_csv(out / "needle_ranks.csv", needle)
     report.write_csv(out / "needle_digits.csv", digits)
     report.write_csv(out / "comparisons.csv", comparisons)
+    if graded:
+        report.write_csv(out / "answer_nll_comparisons.csv", graded)
     report.write_csv(out / "progress.csv", progress)
     text = [f"# Evaluation `{config.name}`", "", f"Config: `{config_path}`. Rows: {len(rows)}.", "",
             "## Scores", "", report.markdown_summary(table), "", "## Paired comparisons (A - B)", "",
@@ -94,6 +97,10 @@ def write_report(config, out: Path, config_path: str) -> None:
             "otherwise it is a tie. Footprints are the two methods' measured bytes on the paired examples: a "
             "method that stored the prompt exactly (100%) is not compressing.", "",
             report.markdown_comparisons(comparisons), "",
+            *(["## Paired comparisons of the gold answer's NLL (A - B)", "",
+               "The mean NLL per token of the right answer, teacher-forced after the question (`answer_nll: true`); "
+               "positive: A is surer of it. W/L count every example, not only those whose answer flips.", "",
+               report.markdown_comparisons(graded), ""] if graded else []),
             "## Needle depth: where the needle sits against where the rank went", "",
             "Score (mean rank the codec gave the tenth of the prompt that holds the asked needle; n) per depth "
             "bin, for methods with a rank profile.", "", report.markdown_needle_ranks(needle), "",

@@ -21,9 +21,10 @@ from hf_varrate.models import DEFAULT_MODELS, load_default_model
 from .capture import capture, full_attention_layers
 from .config import EvalConfig, Stage
 from .footprint import per_layer_bytes
-from .generate import continuation_nll, greedy_answer
+from .generate import answer_nll, continuation_nll, greedy_answer
 from .methods import Context, Unsupported, make_method
 from .methods.base import dynamic_from_capture
+from .prompts import encode
 from .tasks import build_examples, score
 
 log = logging.getLogger("evaluation")
@@ -141,10 +142,14 @@ class Runner:
             nll, count = continuation_nll(model, comp.cache, comp.masks, tail, len(ids), copy_cache=False)
             result = {"score": nll / count, "nll_sum": nll, "nll_tokens": count}
         else:
+            result = {}
+            if self.config.answer_nll:  # before the greedy answer, which reads the cache itself, not a copy
+                answer = encode(tokenizer, " " + example.answers[0])
+                result["answer_nll"] = answer_nll(model, comp.cache, comp.masks, tail, answer, len(ids))
             prediction = greedy_answer(model, tokenizer, comp.cache, comp.masks, tail, len(ids), example.max_new_tokens,
                                        copy_cache=False)  # one question per compressed prompt: no copy needed
-            result = {"score": score(example.metric, prediction, example.answers), "prediction": prediction,
-                      "answers": example.answers}
+            result.update(score=score(example.metric, prediction, example.answers), prediction=prediction,
+                          answers=example.answers)
         return self.row(stage, example, regime, name, spec, sub, full, layer_bytes, comp, result)
 
     def row(self, stage, example, regime, name, spec, sub, full, layer_bytes, comp, result) -> dict:

@@ -106,6 +106,37 @@ def test_comparisons_carry_each_methods_measured_footprint():
     assert "| 100.0% / 12.0% |" in markdown_comparisons(pooled_and_cell)
 
 
+def test_answer_nll_comparisons_pair_the_rows_that_have_one_and_lower_is_better():
+    from evaluation.report import compare, markdown_comparisons
+    rows = [{**_needle_row("a", i, 1.0, 0.5, 0.2), "answer_nll": 0.5} for i in range(4)]
+    rows += [{**_needle_row("b", i, 1.0, 0.5, 1.0), "answer_nll": nll} for i, nll in enumerate((1.0, 1.5, None, 0.5))]
+    graded = {c["task"]: c for c in compare(rows, [["a", "b"]], samples=200, value="answer_nll")}
+    cell = graded["niah_single"]
+    assert cell["n"] == 3 and cell["mean_diff"] == pytest.approx(0.5)  # (0.5 + 1.0 + 0.0) / 3, b - a
+    assert (cell["wins"], cell["losses"], cell["ties"]) == (2, 0, 1)
+    assert graded["niah (pooled)"]["n"] == 3
+    assert "nats / answer token" in markdown_comparisons(list(graded.values()))
+    assert compare(rows, [["a", "b"]], samples=200)[0]["n"] == 4  # the 0/1 scores still pair every example
+
+
+def test_answer_nll_is_the_teacher_forced_nll_and_leaves_the_cache_as_it_was(tiny_llama):
+    from transformers import DynamicCache
+
+    from evaluation.generate import answer_nll
+
+    ids = torch.randint(2, 128, (1, 40), generator=torch.Generator().manual_seed(0))[0].tolist()
+    prompt, tail, answer = ids[:30], ids[30:36], ids[36:]
+    with torch.no_grad():
+        cache = DynamicCache(config=tiny_llama.config)
+        tiny_llama(input_ids=torch.tensor([prompt]), past_key_values=cache)
+        logits = tiny_llama(input_ids=torch.tensor([ids])).logits[0, 35:39].float()
+    expected = float(torch.nn.functional.cross_entropy(logits, torch.tensor(answer)))
+    assert answer_nll(tiny_llama, cache, None, tail, answer, len(prompt)) == pytest.approx(expected, rel=1e-4)
+    assert cache.get_seq_length() == len(prompt)  # read from a copy: the greedy answer after it sees the prompt alone
+    with pytest.raises(ValueError, match="answer's token ids"):
+        answer_nll(tiny_llama, cache, None, tail, [], len(prompt))
+
+
 def test_needle_ranks_put_each_needles_score_beside_the_rank_at_its_decile():
     from evaluation.report import markdown_needle_ranks, needle_ranks
     profile = [10.0 * (k + 1) for k in range(10)]  # decile k got rank 10 (k + 1)

@@ -121,3 +121,22 @@ def test_kept_digits_counts_the_layer_heads_whose_pruned_keys_hold_each_position
     assert kept_share(keys, cache, [0, 1], slice(3, 6)).tolist() == [0.5, 0.75, 0.5]  # positions 3, 4, 5
     assert kept_share(keys, cache, [0], slice(3, 6)).tolist() == [1.0, 0.5, 0.5]
     assert kept_share(keys, cache, [1], slice(3, 6)).tolist() == [0.0, 1.0, 0.5]
+
+
+def test_prompt_basis_pays_for_its_rows_and_beats_a_misaligned_basis_only_when_they_are_cheap():
+    from types import SimpleNamespace
+
+    from studies.prompt_basis import own_basis_loss, preset_loss
+
+    config = SimpleNamespace(coef_scales="token", coef_bits=4, coef_group=8)
+    g = torch.Generator().manual_seed(0)
+    rotation = torch.linalg.qr(torch.randn(32, 32, generator=g))[0]
+    coefs = (torch.randn(4096, 8, generator=g) * torch.linspace(4, 1, 8)) @ rotation[:8]  # rank 8, off the axes
+    total = float(coefs.square().sum())
+    shipped = preset_loss(coefs, config, 10.0, 64)  # 10 bytes: 8 coefficients at 4 bits, a fixed basis misses most
+    charged, free, rows = own_basis_loss(coefs, config, 10.0, 64)
+    assert rows >= 8 and charged < 0.05 * total < shipped  # 8 rows of 32 bytes over 4096 tokens: cheap
+    assert free <= charged * (1 + 1e-4)  # no rows to pay for: never worse
+    few = coefs[:16]  # 8 rows over 16 tokens cost 16 bytes a token: more than the 10 there are
+    charged, _, rows = own_basis_loss(few, config, 10.0, 64)
+    assert rows == 0 and charged == pytest.approx(float(few.square().sum()))
