@@ -88,6 +88,18 @@ def loss(coefs: torch.Tensor, quantized: torch.Tensor) -> float:
     return float((coefs - quantized).square().sum())
 
 
+def held_out_capture(model_name: str, length: int, n_layers: int):
+    """(shipped bases, capture of one held-out wiki context of `length` tokens, `n_layers` full-attention layers
+    evenly spread): what the coefficient studies measure on."""
+    torch.set_grad_enabled(False)
+    model, tokenizer = load_default_model(model_name)
+    bases = Bases.from_pretrained(str(SHIPPED_ROOT / model_name))
+    ids = build_contexts(tokenizer, wiki_documents("held_out"), 1, length)[0]
+    captured = capture(model, ids.view(1, -1).tolist()[0])
+    layers = full_attention_layers(model)
+    return bases, captured, layers[:: max(1, -(-len(layers) // n_layers))]
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct", choices=sorted(DEFAULT_MODELS))
@@ -96,13 +108,7 @@ def main(argv=None) -> None:
     parser.add_argument("--token-group", type=int, default=64)
     parser.add_argument("--layers", type=int, default=6, help="full-attention layers, evenly spread")
     args = parser.parse_args(argv)
-    torch.set_grad_enabled(False)
-    model, tokenizer = load_default_model(args.model)
-    bases = Bases.from_pretrained(str(SHIPPED_ROOT / args.model))
-    ids = build_contexts(tokenizer, wiki_documents("held_out"), 1, args.length)[0]
-    captured = capture(model, ids.view(1, -1).tolist()[0])
-    layers = full_attention_layers(model)
-    layers = layers[:: max(1, -(-len(layers) // args.layers))]
+    bases, captured, layers = held_out_capture(args.model, args.length, args.layers)
     print(f"# {args.model}, one held-out wiki context of {args.length} tokens; energy of the coded residual lost "
           f"(share), per token (the codec) against per component (groups of {args.token_group} tokens)\n")
     print("| budget | layer | bytes / coded token | per token 3-bit (rank) | per token 4-bit (rank) | "

@@ -24,16 +24,11 @@ import argparse
 
 import torch
 
-from hf_varrate import Bases
-from hf_varrate.calibration.contexts import build_contexts
-from hf_varrate.calibration.texts import wiki_documents
-from hf_varrate.models import DEFAULT_MODELS, load_default_model
-from hf_varrate.shipped import SHIPPED_ROOT
+from hf_varrate.models import DEFAULT_MODELS
 
-from evaluation.capture import capture, full_attention_layers
 from evaluation.methods.component_bits import recoded
 
-from .coefficient_bits import bytes_per_token, per_token_loss, residual_coefficients
+from .coefficient_bits import bytes_per_token, held_out_capture, per_token_loss, residual_coefficients
 
 BASIS_BYTES = 1  # per basis entry, as the shipped bases are stored (basis_bits=8)
 
@@ -72,13 +67,7 @@ def main(argv=None) -> None:
     parser.add_argument("--token-group", type=int, default=64, help="with coef_scales='component'")
     parser.add_argument("--layers", type=int, default=6, help="full-attention layers, evenly spread")
     args = parser.parse_args(argv)
-    torch.set_grad_enabled(False)
-    model, tokenizer = load_default_model(args.model)
-    bases = Bases.from_pretrained(str(SHIPPED_ROOT / args.model))
-    ids = build_contexts(tokenizer, wiki_documents("held_out"), 1, args.length)[0]
-    captured = capture(model, ids.view(1, -1).tolist()[0])
-    layers = full_attention_layers(model)
-    layers = layers[:: max(1, -(-len(layers) // args.layers))]
+    bases, captured, layers = held_out_capture(args.model, args.length, args.layers)
     print(f"# {args.model}, one held-out wiki context of {args.length} tokens: share of the coded residual's "
           f"energy lost, the shipped basis against the prompt's own (its rows paid from the budget)\n")
     print("| budget | layer | bytes / coded token | shipped | own basis, charged (rows) | own basis, free |")
