@@ -46,8 +46,8 @@ from .bases_checks import (  # noqa: F401 (re-exported: the artifact's names and
 )
 from .card import render_card, tensor_header
 from .config import LOW_BUDGET_KEY, VarRateConfig
-from .config_checks import fall_back
-from .errors import BasesError, CalibrationOverrideWarning
+from .config_checks import component_conflicts, fall_back
+from .errors import BasesError, CalibrationOverrideWarning, VarRateWarning
 from .files import replacing_folder
 from .hub import check_subfolder, download_files, snapshot_commit, upload_files
 from .rotary import RotaryFrequencies
@@ -126,7 +126,7 @@ class Bases:
         """The config a cache coding with these bases uses: `preset`'s defaults ('recommended' or 'paper'),
         the calibration settings (stride, window, n_anchors), the settings tuned for this model
         (`tuned_settings`), then `overrides`. The one way every
-        caller (the cache, the kvpress press, the evaluation harness) builds a config. Two rules, each
+        caller (the cache, the kvpress press, the evaluation harness) builds a config. Three rules, each
         announced with a VarRateWarning:
 
         - an override of a calibration setting is kept, with a warning (the residuals then follow other
@@ -135,7 +135,10 @@ class Bases:
           none (identity bases, older artifacts) it falls back to balance='none' instead of failing at
           the prefill. Passing balance= explicitly turns this rule off. Likewise its layer_budgets='measured'
           (at budgets of 0.1 or less) falls back to 'uniform' on bases that carry no measurement
-          (`config_checks.fall_back`).
+          (`config_checks.fall_back`);
+        - a tuned coef_scales='component' gives way to 'token' where the overrides rule it out (e.g. signal=
+          'snapkv': per-component scales fit tokens of one rank), rather than failing on a field the user never
+          set. Passing coef_scales= explicitly turns this rule off.
         """
         calibrated = self.calibrated_settings
         changed = {k: v for k, v in overrides.items() if k in calibrated and v != calibrated[k]}
@@ -147,7 +150,10 @@ class Bases:
                 f"match them", CalibrationOverrideWarning, stacklevel=stacklevel)
         low = VarRateConfig.low_budget_settings(preset, overrides)  # the preset's own, over the calibrated window
         tuned = self.tuned_settings(preset, low_budget=bool(low))
-        config = VarRateConfig.preset(preset, **{**calibrated, **low, **tuned, **overrides})
+        settings = {**calibrated, **low, **tuned, **overrides}
+        if tuned.get("coef_scales") == "component" and "coef_scales" not in overrides:
+            settings = _yield_component_scales(preset, settings, stacklevel=stacklevel + 1)
+        config = VarRateConfig.preset(preset, **settings)
         return fall_back(config, preset, overrides, spectrum=bool(self.spectra),
                          measured=bool(self.metadata.get("layer_sensitivity")), stacklevel=stacklevel + 1)
 
@@ -311,6 +317,20 @@ class Bases:
 
 _PULL_HINT = (f"Pass a folder that holds {WEIGHTS_NAME} and {CONFIG_NAME}, the name of shipped bases, or a Hub repo "
               f"id, or build bases with: {BUILD_HINT}")
+
+
+def _yield_component_scales(preset: str, settings: dict, *, stacklevel: int) -> dict:
+    """`settings` with the bases' tuned coef_scales='component' replaced by 'token', with a VarRateWarning, when
+    the rest of `settings` rules it out (`config_checks.component_conflicts`); else `settings` unchanged."""
+    conflicts = component_conflicts(VarRateConfig.preset(preset, **{**settings, "coef_scales": "token"}))
+    if not conflicts:
+        return settings
+    needs = ", ".join(f"{name}={value}" for name, value in conflicts.items())
+    got = ", ".join(f"{name}={settings.get(name)!r}" for name in conflicts)
+    warnings.warn(f"preset {preset!r} codes with these bases' tuned coef_scales='component', which needs {needs}; "
+                  f"with {got} it uses coef_scales='token' (the paper's per-token scales). Pass coef_scales='token' "
+                  f"to silence this", VarRateWarning, stacklevel=stacklevel)
+    return {**settings, "coef_scales": "token"}
 
 
 def read_artifact(folder: str | os.PathLike) -> Bases:

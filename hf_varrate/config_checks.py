@@ -89,15 +89,22 @@ def check_config(config) -> None:
 
 def check_component_scales(config) -> None:
     """coef_scales='component' sizes its scale grid for coded tokens of (nearly) one rank, in bytes it counts."""
-    needs = {"coef_bits": (config.coef_bits is not None, "e.g. 3 or 4"),
-             "signal": (config.signal == "uniform", "'uniform'"),
-             "allocation": (config.allocation == "waterfill", "'waterfill'"),
-             "quantized_budget": (config.quantized_budget == "same_bytes", "'same_bytes'")}
-    for name, (ok, value) in needs.items():
-        if not ok:
-            raise ValueError(f"coef_scales='component' needs {name}={value} (a scale per component over groups of "
-                             f"tokens fits tokens of one rank, in the bytes it is given), got {name}="
-                             f"{getattr(config, name)!r}; set {name} so, or use coef_scales='token'")
+    conflicts = component_conflicts(config)
+    if conflicts:
+        name, value = next(iter(conflicts.items()))
+        raise ValueError(f"coef_scales='component' needs {name}={value} (a scale per component over groups of "
+                         f"tokens fits tokens of one rank, in the bytes it is given), got {name}="
+                         f"{getattr(config, name)!r}; set {name} so, or use coef_scales='token'")
+
+
+def component_conflicts(settings) -> dict[str, str]:
+    """{field: the value coef_scales='component' needs of it} for each field of `settings` (a config, or anything
+    with its field names as attributes) that rules it out; empty when none does."""
+    needs = {"coef_bits": (settings.coef_bits is not None, "e.g. 3 or 4"),
+             "signal": (settings.signal == "uniform", "'uniform'"),
+             "allocation": (settings.allocation == "waterfill", "'waterfill'"),
+             "quantized_budget": (settings.quantized_budget == "same_bytes", "'same_bytes'")}
+    return {name: value for name, (ok, value) in needs.items() if not ok}
 
 
 def to_python_numbers(config) -> None:

@@ -16,6 +16,7 @@ from safetensors.torch import save
 from hf_varrate import Bases, BasesError, VarRateCache, unbind
 from hf_varrate.bases import BUILD_HINT, CONFIG_NAME, WEIGHTS_NAME, looks_local, read_artifact
 from hf_varrate.card import render_card
+from hf_varrate.errors import VarRateWarning
 
 WIDTH = 64  # the tiny models' D = 2 * 2 heads * 16
 META = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "width": WIDTH, "compressed_layers": [0, 1],
@@ -203,6 +204,22 @@ def test_settings_tuned_for_low_budgets_apply_only_there(tmp_path):
     assert bases.config("recommended", balance="none", budget=0.1, coef_scales="token").coef_scales == "token"
     assert bases.config("paper", budget=0.1).coef_scales == "token"
     assert "at budget <= 0.1 also coef_scales='component'" in render_card(bases.metadata)
+
+
+@pytest.mark.parametrize("override, field", [({"signal": "snapkv"}, "signal"), ({"allocation": "topk"}, "allocation"),
+                                             ({"coef_bits": None}, "coef_bits")])
+def test_tuned_component_scales_give_way_to_settings_that_rule_them_out(tmp_path, override, field):
+    tuned = {"recommended": {"low_budget": {"coef_scales": "component"}}}
+    write_artifact(tmp_path, good_tensors(), {**META, "presets": tuned})
+    bases = Bases.from_pretrained(tmp_path)
+    with pytest.warns(VarRateWarning, match=f"tuned coef_scales='component', which needs {field}=.*coef_scales='token'"):
+        config = bases.config("recommended", balance="none", budget=0.1, **override)
+    assert config.coef_scales == "token" and getattr(config, field) == override[field]  # the user's setting kept
+    with pytest.raises(ValueError, match=f"coef_scales='component' needs {field}="):  # asked for by name: no fallback
+        bases.config("recommended", balance="none", budget=0.1, coef_scales="component", **override)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to give way to: no warning
+        assert bases.config("recommended", balance="none", layer_budgets="uniform", budget=0.1).coef_scales == "component"
 
 
 @pytest.mark.parametrize("presets, message", [
