@@ -78,9 +78,9 @@ def _shape_table(meta: dict, spectrum: bool = False) -> str:
                          ", ".join(f"{i}: {s:g}" for i, s in sorted(scales.items()))))
     for preset, settings in sorted((meta.get("presets") or {}).items()):  # chosen for this model, held-out confirmed
         low = settings.get(LOW_BUDGET_KEY, {})
-        plain = ", ".join(f"{k}={v}" for k, v in sorted(settings.items()) if k != LOW_BUDGET_KEY)
+        plain = ", ".join(f"{k}={v!r}" for k, v in sorted(settings.items()) if k != LOW_BUDGET_KEY)
         at_low = ", ".join(f"{k}={v!r}" for k, v in sorted(low.items()))
-        text = ", ".join(part for part in (plain, at_low and f"at budget <= {LOW_BUDGET} also {at_low}") if part)
+        text = ", ".join(part for part in (plain, at_low and f"at budget <= {LOW_BUDGET}: {at_low}") if part)
         rows.append((f"preset `{preset}` with these bases",
                      text + " (chosen on a development split, confirmed on a held-out one: docs/accuracy_dev.md)"))
     return "\n".join(f"| {name} | {value} |" for name, value in rows)

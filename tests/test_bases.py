@@ -203,7 +203,7 @@ def test_settings_tuned_for_low_budgets_apply_only_there(tmp_path):
     assert (high.coef_scales, high.key_weight) == ("token", 4.0)
     assert bases.config("recommended", balance="none", budget=0.1, coef_scales="token").coef_scales == "token"
     assert bases.config("paper", budget=0.1).coef_scales == "token"
-    assert "at budget <= 0.1 also coef_scales='component'" in render_card(bases.metadata)
+    assert "key_weight=4.0, at budget <= 0.1: coef_scales='component'" in render_card(bases.metadata)
 
 
 @pytest.mark.parametrize("override, field", [({"signal": "snapkv"}, "signal"), ({"allocation": "topk"}, "allocation"),
