@@ -46,8 +46,8 @@ from .bases_checks import (  # noqa: F401 (re-exported: the artifact's names and
 )
 from .card import render_card, tensor_header
 from .config import LOW_BUDGET_KEY, VarRateConfig
-from .config_checks import component_conflicts, fall_back
-from .errors import BasesError, CalibrationOverrideWarning, VarRateWarning
+from .config_checks import component_or_token, fall_back
+from .errors import BasesError, CalibrationOverrideWarning
 from .files import replacing_folder
 from .hub import check_subfolder, download_files, snapshot_commit, upload_files
 from .rotary import RotaryFrequencies
@@ -152,7 +152,8 @@ class Bases:
         tuned = self.tuned_settings(preset, low_budget=bool(low))
         settings = {**calibrated, **low, **tuned, **overrides}
         if tuned.get("coef_scales") == "component" and "coef_scales" not in overrides:
-            settings = _yield_component_scales(preset, settings, stacklevel=stacklevel + 1)
+            as_token = VarRateConfig.preset(preset, **{**settings, "coef_scales": "token"})
+            settings["coef_scales"] = component_or_token(as_token, preset, stacklevel=stacklevel + 1)
         config = VarRateConfig.preset(preset, **settings)
         return fall_back(config, preset, overrides, spectrum=bool(self.spectra),
                          measured=bool(self.metadata.get("layer_sensitivity")), stacklevel=stacklevel + 1)
@@ -317,20 +318,6 @@ class Bases:
 
 _PULL_HINT = (f"Pass a folder that holds {WEIGHTS_NAME} and {CONFIG_NAME}, the name of shipped bases, or a Hub repo "
               f"id, or build bases with: {BUILD_HINT}")
-
-
-def _yield_component_scales(preset: str, settings: dict, *, stacklevel: int) -> dict:
-    """`settings` with the bases' tuned coef_scales='component' replaced by 'token', with a VarRateWarning, when
-    the rest of `settings` rules it out (`config_checks.component_conflicts`); else `settings` unchanged."""
-    conflicts = component_conflicts(VarRateConfig.preset(preset, **{**settings, "coef_scales": "token"}))
-    if not conflicts:
-        return settings
-    needs = ", ".join(f"{name}={value}" for name, value in conflicts.items())
-    got = ", ".join(f"{name}={settings.get(name)!r}" for name in conflicts)
-    warnings.warn(f"preset {preset!r} codes with these bases' tuned coef_scales='component', which needs {needs}; "
-                  f"with {got} it uses coef_scales='token' (the paper's per-token scales). Pass coef_scales='token' "
-                  f"to silence this", VarRateWarning, stacklevel=stacklevel)
-    return {**settings, "coef_scales": "token"}
 
 
 def read_artifact(folder: str | os.PathLike) -> Bases:

@@ -107,6 +107,20 @@ def component_conflicts(settings) -> dict[str, str]:
     return {name: value for name, (ok, value) in needs.items() if not ok}
 
 
+def component_or_token(config, preset: str, *, stacklevel: int) -> str:
+    """What a preset's tuned coef_scales='component' becomes beside `config`'s other fields: 'component', or 'token'
+    with a VarRateWarning where they rule it out (`component_conflicts`)."""
+    conflicts = component_conflicts(config)
+    if not conflicts:
+        return "component"
+    needs = ", ".join(f"{name}={value}" for name, value in conflicts.items())
+    got = ", ".join(f"{name}={getattr(config, name)!r}" for name in conflicts)
+    warnings.warn(f"preset {preset!r} codes with these bases' tuned coef_scales='component', which needs {needs}; "
+                  f"with {got} it uses coef_scales='token' (the paper's per-token scales). Pass coef_scales='token' "
+                  f"to silence this", VarRateWarning, stacklevel=stacklevel)
+    return "token"
+
+
 def to_python_numbers(config) -> None:
     """numpy (or other numeric) scalars become Python ints and floats, the only numbers the checks and
     `to_dict`'s JSON take; an integral value in a float field stays as it is."""
