@@ -266,7 +266,7 @@ def chosen_method(args) -> tuple:
     if unknown:
         raise SystemExit(f"--variants {unknown} unknown; choose among {list(VARIANTS)}")
     variants = ["codes", *(v for v in variants if v != "codes")]
-    name = args.method + "".join(f" {k}={v}" for k, v in overrides.items())
+    name = args.method + (" with " + ", ".join(f"{k}={v}" for k, v in overrides.items()) if overrides else "")
     method = make_method(name, {**spec, **overrides, "storage": "materialized"})  # patches write into the K/V
     return method, name, variants
 

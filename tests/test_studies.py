@@ -108,6 +108,15 @@ def test_needle_attention_refuses_a_malformed_override_or_an_unknown_variant_bef
         main(["--n", "0"])
 
 
+
+def test_needle_attention_names_its_method_with_the_overrides_it_ran():
+    from studies.needle_attention import chosen_method, parse_args
+
+    method, name, variants = chosen_method(parse_args(["--set", "budget=0.1", "--variants", "exact values: all"]))
+    assert name == "recommended@0.2 with budget=0.1" and method.spec["budget"] == 0.1
+    assert variants == ["codes", "exact values: all"]
+    assert chosen_method(parse_args([]))[1] == "recommended@0.2"
+
 def test_kept_digits_counts_the_layer_heads_whose_pruned_keys_hold_each_position():
     from types import SimpleNamespace
 
