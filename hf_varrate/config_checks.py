@@ -97,13 +97,13 @@ def check_component_scales(config) -> None:
                          f"{getattr(config, name)!r}; set {name} so, or use coef_scales='token'")
 
 
-def component_conflicts(settings) -> dict[str, str]:
-    """{field: the value coef_scales='component' needs of it} for each field of `settings` (a config, or anything
-    with its field names as attributes) that rules it out; empty when none does."""
-    needs = {"coef_bits": (settings.coef_bits is not None, "e.g. 3 or 4"),
-             "signal": (settings.signal == "uniform", "'uniform'"),
-             "allocation": (settings.allocation == "waterfill", "'waterfill'"),
-             "quantized_budget": (settings.quantized_budget == "same_bytes", "'same_bytes'")}
+def component_conflicts(config) -> dict[str, str]:
+    """{field: the value coef_scales='component' needs of it} for each field of `config` that rules it out; empty
+    when none does."""
+    needs = {"coef_bits": (config.coef_bits is not None, "e.g. 3 or 4"),
+             "signal": (config.signal == "uniform", "'uniform'"),
+             "allocation": (config.allocation == "waterfill", "'waterfill'"),
+             "quantized_budget": (config.quantized_budget == "same_bytes", "'same_bytes'")}
     return {name: value for name, (ok, value) in needs.items() if not ok}
 
 
