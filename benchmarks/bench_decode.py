@@ -26,7 +26,7 @@ from transformers import DynamicCache
 
 import common
 import hf_varrate
-from hf_varrate import VarRateCache, VarRateConfig
+from hf_varrate import VarRateCache
 from hf_varrate.codec import native
 from hf_varrate.config import PRESETS
 
@@ -53,7 +53,7 @@ def build_caches(model, bases, captured, budget: float, configs: list[str], pres
         else:
             storage, _, bits = name.removesuffix("+torch").removesuffix("+codes").partition("-")
             options = {"coef_bits": int(bits.removesuffix("bit"))} if bits else {}
-            config = VarRateConfig.preset(preset, budget=budget, budget_dtype=budget_dtype, storage=storage, **options)
+            config = bases.config(preset, budget=budget, budget_dtype=budget_dtype, storage=storage, **options)
             cache = VarRateCache(bases, config, model=model)
         common.replay_into(cache, model, captured)
         caches[name] = cache

@@ -17,6 +17,7 @@ The exponent of codec time against length is fitted per (model, dtype) from the 
 
     python benchmarks/bench_prefill.py                 # the default plan below, ~15 min on 2 busy cores (1 torch thread)
     python benchmarks/bench_prefill.py --plan smollm2-135m-instruct:float32:1024,2048 --replays 5
+    python benchmarks/bench_prefill.py --preset recommended --set coef_scales=token   # one setting, side by side
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import DynamicCache
 
 import common
-from hf_varrate import VarRateCache, VarRateConfig, VarRateLayer, bind, unbind
+from hf_varrate import VarRateCache, VarRateLayer, bind, unbind
 from hf_varrate.codec import rank_order
 from hf_varrate.config import PRESETS
 
@@ -150,20 +151,23 @@ def prefill_flops(model, length: int) -> float:
 
 
 def warm_model(name: str, dtype: str, args, models: dict) -> tuple:
-    """(model, tokenizer, bases, bases name) for `name` in `dtype`, bound and warmed up; one model at a time."""
+    """(model, tokenizer, bases, bases name, config) for `name` in `dtype`, bound and warmed up; one model at a
+    time. The config is the one `VarRateCache.from_pretrained` would build with these bases (`Bases.config`: the
+    preset, the calibration settings and the settings tuned for this model), with `--set` on top."""
     if (name, dtype) not in models:
         models.clear()
         model, tokenizer = common.load(name, dtype)
         bases, bases_name = common.bases_for(name, model)
+        config = bases.config(args.preset, budget=args.budget, **args.overrides)
         bind(model)
         ids = common.document_ids(tokenizer, 256)
         plain_prefill(model, ids)  # warm-up
-        varrate_prefill(model, ids, bases, args.config)
-        models[(name, dtype)] = (model, tokenizer, bases, bases_name)
+        varrate_prefill(model, ids, bases, config)
+        models[(name, dtype)] = (model, tokenizer, bases, bases_name, config)
     return models[(name, dtype)]
 
 
-def live_prefills(model, ids, bases, cfg, args) -> tuple[list[float], list[float], list[float]]:
+def live_prefills(model, ids, bases, config, cfg) -> tuple[list[float], list[float], list[float]]:
     """`cfg['plain']` plain prefills interleaved with `cfg['inrun']` real VarRate ones: (plain seconds,
     in-run overheads codec / (wall - codec), VarRate wall seconds)."""
     plains, inrun, walls = [], [], []
@@ -171,7 +175,7 @@ def live_prefills(model, ids, bases, cfg, args) -> tuple[list[float], list[float
         if r < cfg["plain"]:
             plains.append(plain_prefill(model, ids))
         if r < cfg["inrun"]:
-            wall, codec = varrate_prefill(model, ids, bases, args.config)
+            wall, codec = varrate_prefill(model, ids, bases, config)
             walls.append(wall)
             inrun.append(codec / (wall - codec))
     return plains, inrun, walls
@@ -179,27 +183,27 @@ def live_prefills(model, ids, bases, cfg, args) -> tuple[list[float], list[float
 
 def run_config(cfg, args, models) -> dict:
     name, dtype, length = cfg["model"], cfg["dtype"], cfg["length"]
-    model, tokenizer, bases, bases_name = warm_model(name, dtype, args, models)
+    model, tokenizer, bases, bases_name, config = warm_model(name, dtype, args, models)
     ids = common.document_ids(tokenizer, length)
     common.log(f"{name} {dtype} {length}: capture")
     captured, first_plain = common.capture_prefill(model, ids)
     plains = [first_plain]
     replays = []
     for _ in range(args.replays):
-        seconds, cache = replay_codec(model, bases, captured, args.config)
+        seconds, cache = replay_codec(model, bases, captured, config)
         replays.append(seconds)
     with_reference = length <= args.reference_up_to and args.preset == "paper"  # the reference runs the paper only
-    reference = [replay_codec(model, bases, captured, args.config, "reference")[0]
+    reference = [replay_codec(model, bases, captured, config, "reference")[0]
                  for _ in range(args.replays if with_reference else 0)]
-    stages = stage_profile(model, bases, captured, args.config)
+    stages = stage_profile(model, bases, captured, config)
     flops = codec_flops(cache, model)
     fp = cache.footprint()
-    more_plains, inrun, walls = live_prefills(model, ids, bases, cfg, args)
+    more_plains, inrun, walls = live_prefills(model, ids, bases, config, cfg)
     plains += more_plains
     del captured
     plain, replay = common.summary(plains), common.summary(replays)
     forward = prefill_flops(model, length)
-    result = {"model": name, "dtype": dtype, "length": length, "bases": bases_name,
+    result = {"model": name, "dtype": dtype, "length": length, "bases": bases_name, "config": config.to_dict(),
               "plain_seconds": plain, "codec_seconds_replay": replay,
               "overhead_accounted": replay["median"] / plain["median"],
               "codec_seconds_reference": common.summary(reference),
@@ -230,8 +234,9 @@ def markdown(results, env, args) -> str:
                      f"{100 * r['overhead_end_to_end']:+.0f}%" if r["overhead_end_to_end"] is not None else "-",
                      f"{100 * r['flops_share']:.2f}%", shares])
     exps = _exponents(results)
-    lines = [f"## Prefill overhead of VarRate (preset {args.preset!r}, budget {args.budget}, "
-             f"{env['torch_threads']} torch thread(s))", "",
+    settings = "".join(f", {k}={v!r}" for k, v in args.overrides.items())
+    lines = [f"## Prefill overhead of VarRate (preset {args.preset!r} as each model's bases tune it{settings}, "
+             f"budget {args.budget}, {env['torch_threads']} torch thread(s))", "",
              common.table(["model", "dtype", "tokens", "plain prefill s", "codec s (replayed)", "overhead (accounted)",
                            "reference path (before)", "overhead (in run)", "end to end", "codec FLOPs / prefill FLOPs",
                            "stage % (" + " / ".join(STAGES) + ")"], rows), "",
@@ -265,7 +270,10 @@ def main(argv=None):
     parser.add_argument("--replays", type=int, default=3, help="codec replays per configuration (median)")
     parser.add_argument("--budget", type=float, default=0.2)
     parser.add_argument("--preset", choices=PRESETS, default="paper",
-                        help="VarRateConfig.preset the codec runs with (from_pretrained's default is 'recommended')")
+                        help="the preset the codec runs with, as `Bases.config` builds it for each model's bases "
+                        "(from_pretrained's default is 'recommended')")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="a VarRateConfig field on top of the preset, e.g. --set coef_scales=token; repeatable")
     parser.add_argument("--reference-up-to", type=int, default=4096,
                         help="also replay implementation='reference' (the codec before this work) up to this length")
     parser.add_argument("--threads", type=int, default=1)
@@ -274,15 +282,14 @@ def main(argv=None):
     args = parser.parse_args(argv)
     common.use_device(args.device)
     args.argv = sys.argv[1:] if argv is None else argv
-    args.config = VarRateConfig.preset(args.preset, budget=args.budget)
+    args.overrides = common.field_overrides(args.set)
     common.set_threads(args.threads)
     env = common.environment()
     models, results = {}, []
     for cfg in parse_plan(args.plan):
         results.append(run_config(cfg, args, models))
     env["load_average_end"] = common.environment()["load_average"]
-    data = {"env": env, "args": {k: v for k, v in vars(args).items() if k != "config"},
-            "config": args.config.to_dict(), "results": results,
+    data = {"env": env, "args": vars(args), "results": results,
             "exponents": _exponents(results)}
     common.write_results(args.out, data, markdown(results, env, args))
 

@@ -13,7 +13,6 @@ import argparse
 
 from common import bases_for, environment, load, log, set_threads, table, write_results
 
-from hf_varrate import VarRateConfig
 from hf_varrate.calibration import build_contexts, load_texts, reconstruction_error
 
 VARIANTS = {
@@ -46,11 +45,10 @@ def main() -> None:
     bases, _ = bases_for(args.model, model)
     held_out = load_texts(None, split="held_out", seed=0)
     contexts = build_contexts(tokenizer, held_out.documents, args.contexts, args.length)
-    calibrated = bases.calibrated_settings
     rows, data = [], {"environment": environment(), "args": vars(args), "variants": {}}
     for name, fields in VARIANTS.items():
         fields = dict(fields)
-        config = VarRateConfig.preset(fields.pop("preset", "paper"), **calibrated, **fields, budget_dtype="float16")
+        config = bases.config(fields.pop("preset", "paper"), **fields, budget=args.budget, budget_dtype="float16")
         log(f"{name}: {config}")
         error = reconstruction_error(model, bases, contexts, budget=args.budget, config=config)
         data["variants"][name] = {"keys": error.keys, "values": error.values, "footprint_fp32": error.footprint}

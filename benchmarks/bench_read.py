@@ -21,7 +21,7 @@ import statistics
 import torch
 
 import common
-from hf_varrate import VarRateCache, VarRateConfig
+from hf_varrate import VarRateCache
 from hf_varrate.codec import attend, native
 from hf_varrate.codec.pipeline import code_layout, dense_coef_values
 from hf_varrate.codec.projection import DenseOrder, matmul_dtype
@@ -42,8 +42,8 @@ def fused_kernel(code) -> tuple | None:
     plan = code_layout(code)
     if kernel is None or not isinstance(code.coefs, QuantizedCoefs) or code.coefs.bits != 4:
         return None
-    if not isinstance(plan, DenseOrder) or code.coefs.group % 2:
-        return None
+    if not isinstance(plan, DenseOrder) or code.coefs.axis != "token" or code.coefs.group % 2:
+        return None  # per-component scales (coef_scales="component") have no row-wise groups
     dense = dense_coef_values(code, plan)  # [C, width]: every group padded to `group` values
     packed = torch.ops.quantized.embedding_bag_4bit_prepack(dense.view(-1, code.coefs.group).contiguous())
     rows = torch.arange(packed.shape[0], dtype=torch.int32)
@@ -110,7 +110,7 @@ def main(argv=None):
     args = parse_args(argv)
     doc = common.captured_document(args.model, args.dtype, args.length, args.threads)
     model = doc.model
-    config = VarRateConfig.preset(args.preset, budget=args.budget, storage="compact")
+    config = doc.bases.config(args.preset, budget=args.budget, storage="compact")
     cache = VarRateCache(doc.bases, config, model=model)
     common.replay_into(cache, model, doc.captured)
     text = model.config.get_text_config(decoder=True)

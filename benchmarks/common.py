@@ -7,6 +7,7 @@ tracked; the numbers the README cites are copied to docs/results/benchmarks/).
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import platform
@@ -98,6 +99,21 @@ def bases_for(name: str, model):
     if folder is not None and (folder / "bases.safetensors").is_file():
         return Bases.from_pretrained(name), name
     return Bases.identity(model.config), "identity"
+
+
+def field_overrides(items: list[str]) -> dict:
+    """`--set FIELD=VALUE` arguments as VarRateConfig overrides: VALUE read as a Python literal (4, 0.5, None)
+    or else kept as a string (coef_scales=token); fields and values are checked where the config is built."""
+    overrides = {}
+    for item in items:
+        field, equals, value = item.partition("=")
+        if not equals or not field:
+            raise SystemExit(f"--set {item!r}: write FIELD=VALUE, e.g. --set coef_scales=token")
+        try:
+            overrides[field] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            overrides[field] = value
+    return overrides
 
 
 def document_ids(tokenizer, length: int, seed: int = 0) -> torch.Tensor:
