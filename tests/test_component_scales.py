@@ -48,6 +48,35 @@ def test_component_scales_round_trip_within_half_a_step_in_every_layout(bits, ro
     assert q.mins.numel() == q.steps.numel() == groups
 
 
+@pytest.mark.parametrize("ranks_kind", ["uniform", "ragged"])
+def test_component_ranges_cover_exactly_the_entries_within_rank(ranks_kind):
+    """Each (group of 64 tokens, component)'s min and step come from its tokens' entries within their ranks and
+    nothing else: not the padding past a rank, nor the rows a short last group lacks (values here are all above
+    2, so a zero let in would move a min). Checked against a brute-force range per group and component."""
+    g = torch.Generator().manual_seed(3)
+    rows, width, bits = 300, 40, 3  # 4 whole groups of 64 tokens and one of 44
+    coefs = 2 + 5 * torch.rand(rows, width, generator=g)
+    ranks = torch.randint(1, width + 1, (rows,), generator=g) if ranks_kind == "ragged" else torch.full((rows,), 39)
+    if ranks_kind == "uniform":
+        ranks[:37] = width
+    ranks[256:] = ranks[256:].clamp(max=width - 3)  # the short group lacks the last components altogether
+    plan = dense_order(ranks, 1, slack=float("inf"))  # as the codec plans per-component scales
+    q = quantize_components(coefs.clone(), plan, bits)
+    mins, steps = q.mins.float().view(-1, width), q.steps.float().view(-1, width)
+    for t, first in enumerate(range(0, rows, COMPONENT_TOKENS)):
+        block, kept = coefs[first:first + COMPONENT_TOKENS], plan.mask[first:first + COMPONENT_TOKENS]
+        for j in range(width):
+            entries = block[kept[:, j], j]
+            if not entries.numel():
+                assert mins[t, j] == 0 and steps[t, j] == 0
+                continue
+            lo, hi = entries.min(), entries.max()
+            assert mins[t, j] <= lo and torch.tensor(float(mins[t, j])).half().float() == mins[t, j]
+            assert lo - mins[t, j] <= lo * 2**-10  # the fp16 just below the range's min
+            assert mins[t, j] + steps[t, j] * (2**bits - 1) >= hi
+            assert steps[t, j] * (2**bits - 1) <= (hi - mins[t, j]) * (1 + 2**-9) + 1e-6
+
+
 def test_a_scale_per_component_keeps_small_components_precise_for_fewer_bytes():
     """The mechanism: per token, a group's step follows its largest (leading) coefficient, so the trailing ones
     round to nearly nothing; per component each gets a step of its own size, and the scales cost less. (The

@@ -280,36 +280,56 @@ def _grid(groups: torch.Tensor, per_group: torch.Tensor) -> torch.Tensor:
 
 def quantize_components(coefs: torch.Tensor, layout: DenseOrder, bits: int,
                         group: int = COMPONENT_TOKENS) -> QuantizedCoefs:
-    """Dense coefficients [C, W] (`layout`'s rows, in coded order) quantized per component (axis "component"):
-    each component's values over `group` consecutive tokens share a min and step; entries past a row's rank
-    are left out of the ranges and of the stream."""
+    """Dense coefficients [C, W] (`layout`'s rows, in coded order; fp32 ones are overwritten) quantized per
+    component (axis "component"): each component's values over `group` consecutive tokens share a min and step;
+    entries past a row's rank are left out of the ranges and of the stream. Only the columns some token lacks
+    (past the smallest rank: one, for uniform ranks) are masked; the others are ranged as they are."""
     if bits not in BITS:
         raise ValueError(f"coef_bits must be one of {list(BITS)} or None, got {bits!r}")
-    rows, width = coefs.shape
-    values = _by_token_groups(coefs.float(), group)  # [T, group, W]
-    mask = _by_token_groups(layout.mask, group)  # padding rows: False
-    lo = values.masked_fill(~mask, float("inf")).amin(dim=1)  # [T, W]
-    hi = values.masked_fill(~mask, float("-inf")).amax(dim=1)
-    present = mask.any(dim=1)
-    lo, hi = lo.masked_fill(~present, 0.0), hi.masked_fill(~present, 0.0)
+    values = coefs.float()
+    blocks = _token_blocks(values, group)
+    lo, hi = _component_ranges(blocks, layout, group)
     levels = 2**bits - 1
     dtype = scale_dtype(lo, hi)
     mins = _round_down(lo, dtype)
     steps = _round_up((hi - mins.float()) / levels, dtype)
     divisors = steps.float().masked_fill(steps == 0, float("inf"))  # a constant group: q = 0, as `quantize`
-    q = values.sub_(mins.float()[:, None]).div_(divisors[:, None]).round_().clamp_(0, levels)
-    stream = layout.to_stream(q.view(-1, width)[:rows].to(torch.uint8))
+    for block, groups in blocks:
+        block.sub_(mins.float()[groups, None]).div_(divisors[groups, None])
+    stream = layout.to_stream(values.round_().clamp_(0, levels).to(torch.uint8))
     return QuantizedCoefs(pack_bits(stream, bits), mins.reshape(-1), steps.reshape(-1), bits, group, stream.numel(),
                           "component")
 
 
+def _token_blocks(x: torch.Tensor, group: int) -> list[tuple[torch.Tensor, slice]]:
+    """[C, W] as views (block, its token groups): [C // group, group, W] (the whole groups), then [1, C % group, W]."""
+    rows, width = x.shape
+    whole = rows - rows % group
+    blocks = [(x[:whole].view(whole // group, group, width), slice(0, whole // group))] if whole or not rows else []
+    return blocks + ([(x[whole:].view(1, rows - whole, width), slice(whole // group, None))] if rows > whole else [])
+
+
+def _component_ranges(blocks: list, layout: DenseOrder, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each (group of tokens, component)'s min and max [T, W] over the entries within their tokens' ranks (0 and 0
+    where no token of the group has the component); only the columns past the smallest rank are masked."""
+    full = int(layout.ranks.min()) if layout.ranks.numel() else layout.width  # the columns every token has
+    lows, highs = [], []
+    for (block, _), (mask, _) in zip(blocks, _token_blocks(layout.mask[:, full:], group)):
+        ragged, present = block[..., full:], mask.any(dim=1)
+        lo = ragged.masked_fill(~mask, float("inf")).amin(dim=1).masked_fill_(~present, 0.0)
+        hi = ragged.masked_fill(~mask, float("-inf")).amax(dim=1).masked_fill_(~present, 0.0)
+        lows.append(torch.cat((block[..., :full].amin(dim=1), lo), dim=1))
+        highs.append(torch.cat((block[..., :full].amax(dim=1), hi), dim=1))
+    return torch.cat(lows), torch.cat(highs)
+
+
 def dequantize_components(coefs: QuantizedCoefs, layout: DenseOrder) -> torch.Tensor:
     """`quantize_components` undone: [C, W] fp32, zeros past each row's rank."""
-    rows, width = layout.ranks.numel(), layout.width
     q = layout.from_stream(unpack_bits(coefs.codes, coefs.bits, coefs.count), torch.float32)
-    grid = (-1, 1, width)
-    out = _by_token_groups(q, coefs.group).mul_(coefs.steps.float().view(grid)).add_(coefs.mins.float().view(grid))
-    return layout.zero_padding_(out.view(-1, width)[:rows])
+    steps, mins = (x.float().view(-1, layout.width) for x in (coefs.steps, coefs.mins))
+    for block, rows in _token_blocks(q, coefs.group):
+        block.mul_(steps[rows, None]).add_(mins[rows, None])
+    return layout.zero_padding_(q)
 
 
 def component_index(coefs: QuantizedCoefs, ranks: torch.Tensor) -> torch.Tensor:
@@ -320,12 +340,3 @@ def component_index(coefs: QuantizedCoefs, ranks: torch.Tensor) -> torch.Tensor:
     column = torch.arange(coefs.count, device=ranks.device) - starts[token]
     width = coefs.mins.numel() // max(-(-ranks.numel() // coefs.group), 1)
     return token // coefs.group * width + column
-
-
-def _by_token_groups(x: torch.Tensor, group: int) -> torch.Tensor:
-    """[C, W] -> [ceil(C / group), group, W], the last group padded with zeros (False)."""
-    rows, width = x.shape
-    pad = -rows % group
-    if pad:
-        x = torch.cat((x, x.new_zeros(pad, width)))
-    return x.view(-1, group, width)
