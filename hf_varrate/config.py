@@ -138,8 +138,15 @@ class VarRateConfig:
         metadata={"group": "beyond",
                   "help": "With coef_bits, where the quantization scales sit: 'token' (the paper) gives each group of "
                   "coef_group coefficients of one token an fp16 min and step; 'component' gives each component one "
-                  "per 64 coded tokens (KIVI's layout for keys), so trailing components keep their precision and more "
-                  "rank fits the bytes. Needs signal='uniform', allocation='waterfill', quantized_budget='same_bytes'."},
+                  "per component_tokens coded tokens (KIVI's layout for keys), so trailing components keep their "
+                  "precision and more rank fits the bytes. Needs signal='uniform', allocation='waterfill', "
+                  "quantized_budget='same_bytes'."},
+    )
+    component_tokens: int = field(
+        default=64,
+        metadata={"group": "beyond",
+                  "help": "With coef_scales='component': consecutive coded tokens that share each component's min and "
+                  "step. More tokens: fewer scale bytes, so more rank, over wider ranges."},
     )
     quantized_budget: str = field(
         default="same_ranks",

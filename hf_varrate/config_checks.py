@@ -62,6 +62,7 @@ def check_config(config) -> None:
     check_int(config, "coef_group", config.coef_group, 1)
     check_choice("quantized_budget", config.quantized_budget, QUANTIZED_BUDGETS)
     check_choice("coef_scales", config.coef_scales, COEF_SCALES)
+    check_int(config, "component_tokens", config.component_tokens, 1)
     if config.coef_scales == "component":
         check_component_scales(config)
     check_choice("implementation", config.implementation, IMPLEMENTATIONS)

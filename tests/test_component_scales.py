@@ -111,6 +111,26 @@ def test_component_scales_meet_the_budget_and_buy_rank(budget):
     assert code.ranks.long().sum() > 1.15 * codes["token"].ranks.long().sum()
 
 
+def test_component_tokens_size_the_scale_groups_and_meet_the_budget():
+    """component_tokens=256 shares each component's min and step over 256 coded tokens: a quarter of the scale
+    rows of 64, spent on rank within the same budget, and decoded as the encoder reconstructed."""
+    (keys, values, queries, cos, sin), basis = realistic_prompt()
+    codes = {}
+    for tokens in (64, 256):
+        config = VarRateConfig(budget=0.2, coef_bits=4, window=16, component_tokens=tokens, **COMPONENT)
+        codes[tokens] = compress_prompt(keys, values, queries, cos, sin, basis, config, 0.125)
+    for tokens, (code, k_hat, v_hat) in codes.items():
+        coded, width = code.ranks.numel(), int(code.ranks.max())
+        assert code.coefs.group == tokens and code.coefs.mins.numel() == -(-coded // tokens) * width
+        assert 0.98 * 0.2 * code.full_nbytes() <= code.nbytes() <= 0.2 * code.full_nbytes()
+        exact = code.exact_pos
+        decoded = decode_prompt(code, keys[:, :, exact], values[:, :, exact], cos, sin, basis)
+        assert torch.equal(decoded[0], k_hat) and torch.equal(decoded[1], v_hat)
+    assert codes[256][0].ranks.long().sum() > codes[64][0].ranks.long().sum()
+    with pytest.raises(ValueError, match="component_tokens must be an integer >= 1, got 0"):
+        VarRateConfig(component_tokens=0)
+
+
 @pytest.mark.parametrize("seq_len", [700, 2000])
 def test_decoding_reproduces_the_encoders_reconstruction(seq_len):
     keys, values, queries, cos, sin = make_prompt(seq_len=seq_len, heads=2, dim=16)

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .quantization import COMPONENT_TOKENS, SCALE_DTYPE
+from .quantization import SCALE_DTYPE
 
 if TYPE_CHECKING:  # annotations only: the codec reads a config's fields, it never builds one
     from ..config import VarRateConfig
@@ -27,7 +27,7 @@ def coefficient_budget(config: VarRateConfig, seq_len: int, n_exact: int, n_code
     A coefficient costs `kv_bytes`, except with `coef_bits` and `quantized_budget="same_bytes"`:
     then it costs bits/8 plus its share of its group's fp16 min and step, and each token is charged
     one more (partial) group up front, so the realised bytes never exceed the budget (with
-    `coef_scales="component"`: bits/8 plus its share of its component's scales per `COMPONENT_TOKENS` tokens, the
+    `coef_scales="component"`: bits/8 plus its share of its component's scales per `component_tokens` tokens, the
     partial groups up front; the ranks are uniform, so the scale grid is at most one column wider). With
     `"same_ranks"` the ranks are those of `kv_bytes` coefficients, less `same_ranks_overshoot` (zero
     unless ranks as small as 1-3 are allowed); `rank` is the rank cap (default: `width`)."""
@@ -35,8 +35,8 @@ def coefficient_budget(config: VarRateConfig, seq_len: int, n_exact: int, n_code
     per_coef = kv_bytes
     group_bytes = 2 * torch.empty(0, dtype=SCALE_DTYPE).element_size()
     if config.coef_bits is not None and config.coef_scales == "component":
-        spare -= group_bytes * (n_coded / COMPONENT_TOKENS + (rank or width) + 1) + config.coef_bits  # see above
-        per_coef = config.coef_bits / 8 + group_bytes / COMPONENT_TOKENS
+        spare -= group_bytes * (n_coded / config.component_tokens + (rank or width) + 1) + config.coef_bits  # above
+        per_coef = config.coef_bits / 8 + group_bytes / config.component_tokens
     elif config.coef_bits is not None and config.quantized_budget == "same_bytes":
         spare -= n_coded * group_bytes + config.coef_bits  # partial groups, bit-packing pad
         per_coef = config.coef_bits / 8 + group_bytes / config.coef_group

@@ -299,7 +299,7 @@ def _store_dense(coefs: torch.Tensor, plan: DenseOrder, dtype: torch.dtype, conf
     if config.coef_bits is None:
         return plan.to_stream(coefs).to(dtype)
     if _by_component(config):
-        return quantize_components(coefs, plan, config.coef_bits)
+        return quantize_components(coefs, plan, config.coef_bits, config.component_tokens)
     return quantize_dense(coefs, plan, config.coef_bits)
 
 
