@@ -29,6 +29,10 @@ VARIANTS = {
     "recommended + layer_budgets spectrum": {"preset": "recommended", "layer_budgets": "spectrum"},
     "recommended, fp32 projections": {"preset": "recommended", "projection_dtype": "float32"},
     "recommended, bf16 projections": {"preset": "recommended", "projection_dtype": "bfloat16"},
+    "recommended, per-component scales over 128 tokens": {"preset": "recommended", "coef_scales": "component",
+                                                          "component_tokens": 128},
+    "recommended, per-component scales over 256 tokens": {"preset": "recommended", "coef_scales": "component",
+                                                          "component_tokens": 256},
 }
 
 
