@@ -78,7 +78,8 @@ def test_r_min_above_the_effective_rank_cap_fails_at_construction(tiny_llama, r_
         VarRateCache(bases, model_config=tiny_llama.config, r_min=r_min)
 
 
-@pytest.mark.parametrize("name", ["stride", "window", "obs_window", "n_anchors", "distance_chunk"])
+@pytest.mark.parametrize("name", ["stride", "window", "obs_window", "n_anchors", "distance_chunk", "coef_group",
+                                  "component_tokens"])
 @pytest.mark.parametrize("value", [0, -1, 2.5])
 def test_stride_window_and_friends_below_1_are_value_errors(name, value):
     with pytest.raises(ValueError, match=rf"{name} must be an integer >= 1, got {value!r}; use e.g. {name}="):
