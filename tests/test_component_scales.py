@@ -127,6 +127,8 @@ def test_component_tokens_size_the_scale_groups_and_meet_the_budget():
         decoded = decode_prompt(code, keys[:, :, exact], values[:, :, exact], cos, sin, basis)
         assert torch.equal(decoded[0], k_hat) and torch.equal(decoded[1], v_hat)
     assert codes[256][0].ranks.long().sum() > codes[64][0].ranks.long().sum()
+    assert VarRateConfig().component_tokens == COMPONENT_TOKENS  # the codec's default is the config's (the codec
+    # imports no config, so the two literals are held together here)
 
 
 @pytest.mark.parametrize("seq_len", [700, 2000])

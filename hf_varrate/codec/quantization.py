@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 BITS = (2, 3, 4, 8)
 SCALE_DTYPE = torch.float16
 AXES = ("token", "component")
-COMPONENT_TOKENS = 64  # tokens per group of one component's scales (axis "component")
+COMPONENT_TOKENS = 64  # tokens per group of one component's scales; VarRateConfig.component_tokens's default
 
 
 @dataclass
@@ -327,8 +327,8 @@ def dequantize_components(coefs: QuantizedCoefs, layout: DenseOrder) -> torch.Te
     """`quantize_components` undone: [C, W] fp32, zeros past each row's rank."""
     q = layout.from_stream(unpack_bits(coefs.codes, coefs.bits, coefs.count), torch.float32)
     steps, mins = (x.float().view(-1, layout.width) for x in (coefs.steps, coefs.mins))
-    for block, rows in _token_blocks(q, coefs.group):
-        block.mul_(steps[rows, None]).add_(mins[rows, None])
+    for block, groups in _token_blocks(q, coefs.group):
+        block.mul_(steps[groups, None]).add_(mins[groups, None])
     return layout.zero_padding_(q)
 
 
