@@ -81,7 +81,7 @@ def test_a_compiled_dequantization_runs_the_c_loop_bit_for_bit(dtype, fresh_dyna
     compiled = torch.compile(lambda c: native.dequantize_runs(c, runs, dtype), backend=recording(seen), fullgraph=True)
     got = compiled(coefs)
     with native.disabled():
-        want = dequantize_runs(coefs, type("Layout", (), {"runs": runs})).to(dtype)
+        want = dequantize_runs(coefs, type("Layout", (), {"runs": runs, "width": None})).to(dtype)
     assert "hf_varrate.dequantize_runs.default" in seen
     assert torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
                        want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
@@ -105,7 +105,7 @@ def _op_samples():
     turns, weights = torch.randn(20, 4, 2, generator=gen), torch.rand(2, 3, 15 + 9 + 2, generator=gen)
     coded, exact, _ = weights.split((15, 9, 2), dim=-1)
     return {
-        "dequantize_runs": (coefs.codes, coefs.steps.float(), coefs.mins.float(), torch.tensor([[0, 6, 10]]), 8, 60,
+        "dequantize_runs": (coefs.codes, coefs.steps.float(), coefs.mins.float(), torch.tensor([[0, 6, 10]]), 8, 0, 60,
                             True),
         "coded_key_scores": (torch.randn(15, 16, generator=gen), torch.randn(5, 16, generator=gen),
                              torch.randint(5, (15, 2), generator=gen), turns, torch.randperm(20, generator=gen)[:15],

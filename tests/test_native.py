@@ -10,7 +10,8 @@ import torch
 
 import hf_varrate
 from hf_varrate.codec import attend, native, native_build
-from hf_varrate.codec.quantization import dequantize_runs, quantize
+from hf_varrate.codec.projection import DenseOrder
+from hf_varrate.codec.quantization import dequantize_runs, quantize, quantize_components
 
 from test_attention import attention, compact  # noqa: F401 (fixture)
 from test_cache import prompt
@@ -45,7 +46,7 @@ def test_dequantize_runs_equals_pytorch_bit_for_bit(group, rows_and_ranks, dtype
     x[: min(group, rows_and_ranks[0][1])] = 0.25  # a constant group: step 0
     coefs = quantize(x, ranks, 4, group)
     with native.disabled():
-        want = dequantize_runs(coefs, types.SimpleNamespace(runs=runs)).to(dtype)
+        want = dequantize_runs(coefs, types.SimpleNamespace(runs=runs, width=None)).to(dtype)
     got = native.dequantize_runs(coefs, runs, dtype)
     assert got.dtype == dtype
     bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
@@ -53,10 +54,42 @@ def test_dequantize_runs_equals_pytorch_bit_for_bit(group, rows_and_ranks, dtype
 
 
 @needs_native
+@pytest.mark.parametrize("tokens", [64, 16, 5])
+@pytest.mark.parametrize("rows_and_ranks", [[(7, 40), (13, 39)], [(5, 3)], [(1, 1), (70, 33), (2, 64)]])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dequantize_runs_with_component_scales_equals_pytorch_bit_for_bit(tokens, rows_and_ranks, dtype):
+    """Scales per component (a [T, width] grid, `tokens` tokens per row of it): the same loop, the same bits."""
+    runs = _runs(rows_and_ranks)
+    ranks = torch.cat([torch.full((stop - first,), rank) for first, stop, rank in runs])
+    width = -(-int(ranks.max()) // 8) * 8
+    dense = torch.randn(ranks.numel(), width, generator=torch.Generator().manual_seed(tokens)) * 3
+    dense[:, 0] = 0.25  # a constant component: step 0
+    layout = DenseOrder(ranks, width, 8, int(ranks.sum()), runs)
+    coefs = quantize_components(dense, layout, 4, tokens)
+    with native.disabled():
+        want = dequantize_runs(coefs, layout).to(dtype)
+    got = native.dequantize_runs(coefs, runs, dtype, width)
+    assert got.dtype == dtype and coefs.axis == "component"
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(got.view(bits), want.view(bits))
+
+
+@needs_native
+def test_component_scales_that_do_not_fit_the_runs_are_left_to_pytorch():
+    ranks = torch.full((10,), 6)
+    coefs = quantize_components(torch.randn(10, 8), DenseOrder(ranks, 8, 8, 60, [(0, 10, 6)]), 4, 4)
+    assert native.dequantize_runs(coefs, [(0, 10, 6)], torch.float32, 8) is not None
+    assert native.dequantize_runs(coefs, [(0, 10, 6)], torch.float32) is None  # no width: the grid is unknown
+    assert native.dequantize_runs(coefs, [(0, 6, 10)], torch.float32, 8) is None  # ranks past the grid's width
+    assert native.dequantize_runs(coefs, [(0, 20, 3)], torch.float32, 8) is None  # more token groups than it holds
+    assert native.dequantize_runs(coefs, None, torch.float32, 8) is None  # no runs: ragged ranks
+
+
+@needs_native
 def test_the_library_dequantizes_runs_through_the_c_loop(monkeypatch):
     coefs, calls, loop = quantize(torch.randn(40), torch.full((4,), 10), 4, 8), [], native.dequantize_runs
     monkeypatch.setattr(native, "dequantize_runs", lambda *args: calls.append(args) or loop(*args))
-    values = dequantize_runs(coefs, types.SimpleNamespace(runs=[(0, 4, 10)]))
+    values = dequantize_runs(coefs, types.SimpleNamespace(runs=[(0, 4, 10)], width=None))
     assert len(calls) == 1 and values.dtype == torch.float32 and values.shape == (40,)
 
 
@@ -102,19 +135,31 @@ def test_coded_key_scores_equal_pytorch(heads, rows, dim, n_neighbours, proj_dty
 
 @needs_native
 @pytest.mark.parametrize("overrides", [{}, {"preset": "recommended", "budget": 0.3},
-                                       {"preset": "recommended", "budget": 0.3, "projection_dtype": "float32"}])
-def test_the_read_over_the_codes_is_the_same_with_or_without_the_c_loops(tiny_llama, overrides, attention):  # noqa: F811
+                                       {"preset": "recommended", "budget": 0.3, "projection_dtype": "float32"},
+                                       {"preset": "recommended", "budget": 0.3, "coef_scales": "component"}])
+def test_the_read_over_the_codes_is_the_same_with_or_without_the_c_loops(tiny_llama, overrides, attention,  # noqa: F811
+                                                                         monkeypatch):
     ids = prompt(tiny_llama, 300)
     cache = compact(tiny_llama, **overrides)
     attention(tiny_llama, hf_varrate.ATTENTION)
+    read, loop = [], native.dequantize_runs
+
+    def spy(coefs, *args):
+        read.append((coefs.axis, loop(coefs, *args)))
+        return read[-1][1]
+
     with torch.no_grad():
         tiny_llama(ids[:, :-6], past_key_values=cache)
         torch_cache = copy.deepcopy(cache)
+        monkeypatch.setattr(native, "dequantize_runs", spy)
         got = [tiny_llama(ids[:, -6:-1], past_key_values=cache).logits, tiny_llama(ids[:, -1:], past_key_values=cache).logits]
+        monkeypatch.setattr(native, "dequantize_runs", loop)
         with native.disabled():
             assert not native.available()
             want = [tiny_llama(ids[:, -6:-1], past_key_values=torch_cache).logits,
                     tiny_llama(ids[:, -1:], past_key_values=torch_cache).logits]
+    if overrides.get("coef_scales") == "component":  # runs of 4-bit codes, each read through the C loop
+        assert read and all(kind == "component" and values is not None for kind, values in read)
     assert native.available()
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
@@ -157,18 +202,21 @@ def test_the_loops_give_the_same_bits_on_any_number_of_threads():
     runs = _runs([(301, 40), (200, 39)])
     ranks = torch.cat([torch.full((stop - first,), rank) for first, stop, rank in runs])
     coefs = quantize(torch.randn(int(ranks.sum()), generator=gen), ranks, 4, 32)
+    components = quantize_components(torch.randn(501, 48, generator=gen), DenseOrder(ranks, 48, 8, int(ranks.sum()), runs), 4)
     args = (torch.randn(501, 48, generator=gen), torch.randn(9, 48, generator=gen), torch.randint(9, (501, 4), generator=gen),
             torch.randn(600, 8, 2, generator=gen), torch.randperm(600, generator=gen)[:501], torch.randn(3, 3, 16, generator=gen))
     threads, results = torch.get_num_threads(), []
     try:
         for count in (1, 2, 3):
             torch.set_num_threads(count)
-            results.append((native.dequantize_runs(coefs, runs, torch.bfloat16), native.coded_key_scores(*args)))
+            results.append((native.dequantize_runs(coefs, runs, torch.bfloat16), native.coded_key_scores(*args),
+                            native.dequantize_runs(components, runs, torch.float32, 48)))
     finally:
         torch.set_num_threads(threads)
-    for values, scores in results[1:]:
+    for values, scores, component_values in results[1:]:
         assert torch.equal(values.view(torch.int16), results[0][0].view(torch.int16))
         assert torch.equal(scores, results[0][1])
+        assert torch.equal(component_values.view(torch.int32), results[0][2].view(torch.int32))
 
 
 @needs_native

@@ -182,7 +182,7 @@ def code_pieces(code: PromptCode, plan: RankOrder | DenseOrder, dtype: torch.dty
         dense = dense_coef_values(code, plan)
         return [(0, dense.shape[0], 0, plan.width, dense.to(dtype))]
     quantized = isinstance(code.coefs, QuantizedCoefs)
-    stream = native.dequantize_runs(code.coefs, plan.runs, dtype) if quantized else None
+    stream = native.dequantize_runs(code.coefs, plan.runs, dtype, plan.width) if quantized else None
     if stream is None:
         stream = (dequantize_runs(code.coefs, plan) if quantized else code.coefs).to(dtype)
     pieces, offset = [], 0

@@ -29,15 +29,16 @@ static inline float from_bf16(uint16_t half) {
 
 /* 4-bit group-wise codes -> values, for ranks constant over runs of tokens (hf_varrate.codec.quantization.
    dequantize_runs, then .to(bf16) when out_bf16). codes: the packed stream, value i in byte i/2's low
-   nibble if i is even, its high one if odd. runs [n_runs, 3]: (first, stop, rank). steps, mins: fp32, one
-   per group, token after token; a token's groups cover `group` values, its last one the rest. out: [count]
-   fp32, or bf16 as uint16. */
+   nibble if i is even, its high one if odd. runs [n_runs, 3]: (first, stop, rank). With width 0 the scales
+   sit per token: steps, mins fp32, one per group, token after token; a token's groups cover `group` values,
+   its last one the rest. With width > 0 they sit per component (axis "component"): steps, mins fp32 [T, width],
+   row t // group for token t, column j for its j-th coefficient. out: [count] fp32, or bf16 as uint16. */
 void dequantize_runs(const uint8_t *codes, const float *steps, const float *mins, const int64_t *runs,
-                     int64_t n_runs, int64_t group, void *out, int out_bf16, int threads) {
+                     int64_t n_runs, int64_t group, int64_t width, void *out, int out_bf16, int threads) {
     int64_t offset = 0, first_group = 0;
     for (int64_t run = 0; run < n_runs; run++) {
-        const int64_t rows = runs[3 * run + 1] - runs[3 * run], rank = runs[3 * run + 2];
-        const int64_t groups = (rank + group - 1) / group;
+        const int64_t first = runs[3 * run], rows = runs[3 * run + 1] - first, rank = runs[3 * run + 2];
+        const int64_t groups = width ? 1 : (rank + group - 1) / group;  /* per token: groups of `group` values */
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t row = 0; row < rows; row++) {
             uint8_t scratch[rank + 2];
@@ -49,6 +50,24 @@ void dequantize_runs(const uint8_t *codes, const float *steps, const float *mins
                 scratch[2 * i + 1] = bytes[i] >> 4;
             }
             const uint8_t *q = scratch + start % 2;
+            if (width) {  /* one (min, step) per component of this token's group of tokens */
+                const float *row_steps = steps + (first + row) / group * width;
+                const float *row_mins = mins + (first + row) / group * width;
+                if (out_bf16) {
+                    uint16_t *dst = (uint16_t *)out + start;
+                    for (int64_t j = 0; j < rank; j++) {
+                        float value = (float)q[j] * row_steps[j];
+                        dst[j] = to_bf16(value + row_mins[j]);
+                    }
+                } else {
+                    float *dst = (float *)out + start;
+                    for (int64_t j = 0; j < rank; j++) {
+                        float value = (float)q[j] * row_steps[j];
+                        dst[j] = value + row_mins[j];
+                    }
+                }
+                continue;
+            }
             const float *row_steps = steps + first_group + row * groups, *row_mins = mins + first_group + row * groups;
             for (int64_t g = 0; g < groups; g++) {
                 const int64_t j0 = g * group, j1 = j0 + group < rank ? j0 + group : rank;

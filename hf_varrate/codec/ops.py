@@ -38,12 +38,12 @@ def _loops():
 
 
 def dequantize_runs_loop(codes: torch.Tensor, steps: torch.Tensor, mins: torch.Tensor, runs: torch.Tensor, group: int,
-                         count: int, bf16: bool) -> torch.Tensor:
-    """4-bit codes uint8 [ceil(count / 2)], steps and mins fp32 [groups], runs int64 [n, 3] (first, stop, rank)
-    -> values [count], bf16 or fp32."""
+                         width: int, count: int, bf16: bool) -> torch.Tensor:
+    """4-bit codes uint8 [ceil(count / 2)], steps and mins fp32 (per token's group: [groups]; per component, width
+    > 0: [T * width]), runs int64 [n, 3] (first, stop, rank) -> values [count], bf16 or fp32."""
     out = torch.empty(count, dtype=torch.bfloat16 if bf16 else torch.float32)
     codes, steps, mins, runs = codes.contiguous(), steps.contiguous(), mins.contiguous(), runs.contiguous()
-    _loops().dequantize_runs(_ptr(codes), _ptr(steps), _ptr(mins), _ptr(runs), runs.shape[0], group, _ptr(out),
+    _loops().dequantize_runs(_ptr(codes), _ptr(steps), _ptr(mins), _ptr(runs), runs.shape[0], group, width, _ptr(out),
                              int(bf16), torch.get_num_threads())
     return out
 
@@ -53,7 +53,7 @@ dequantize_runs = torch.library.custom_op(f"{_NAMESPACE}::dequantize_runs", dequ
 
 
 @dequantize_runs.register_fake
-def _(codes, steps, mins, runs, group, count, bf16):
+def _(codes, steps, mins, runs, group, width, count, bf16):
     return codes.new_empty(count, dtype=torch.bfloat16 if bf16 else torch.float32)
 
 

@@ -242,12 +242,13 @@ def dequantize_runs(coefs: QuantizedCoefs, layout: DenseOrder) -> torch.Tensor:
     scales are row-major blocks of the stream, so the scales broadcast over views instead of being
     expanded per coefficient. 4-bit codes unpack straight into the fp32 result. (In bf16 the same steps
     ran 2x slower on CPU and rounded three times: convert the result instead.) On CPU, 4-bit codes go
-    through the C loop of `native.c` where it is built: the same values, in one pass."""
-    if coefs.axis == "component":
-        return layout.to_stream(dequantize_components(coefs, layout))
-    fast = native.dequantize_runs(coefs, layout.runs, torch.float32)
+    through the C loop of `native.c` where it is built (scales per token or per component): the same values,
+    in one pass."""
+    fast = native.dequantize_runs(coefs, layout.runs, torch.float32, layout.width)
     if fast is not None:
         return fast
+    if coefs.axis == "component":
+        return layout.to_stream(dequantize_components(coefs, layout))
     group = coefs.group
     if coefs.bits == 4:
         out = torch.empty(coefs.codes.numel() * 2, device=coefs.codes.device)
