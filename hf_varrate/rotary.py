@@ -61,6 +61,16 @@ class RotaryFrequencies:
                 return offset
         return None
 
+    def mismatch(self, cos: torch.Tensor, sin: torch.Tensor, offset: int = 0) -> float:
+        """The largest difference between the model's tables cos, sin [1, n, d] and ours for positions offset..,
+        at `offset_of`'s sampled positions, in units of the tolerance it allows (above 1: not ours)."""
+        picks = sample_positions(cos.shape[1], device=cos.device)
+        mine_cos, mine_sin = self.tables_at(picks + offset, cos.dtype)
+        tolerance = ROUNDING_ULPS * torch.finfo(cos.dtype).eps * max(1.0, abs(self.scaling))
+        worst = max(float((mine_cos.float() - cos[:, picks].float()).abs().max()),
+                    float((mine_sin.float() - sin[:, picks].float()).abs().max()))
+        return worst / tolerance
+
     def to_metadata(self) -> dict:
         """JSON-able form for a bases artifact's config.json (fp32 values round-trip exactly through JSON)."""
         return {"inv_freq": [float(x) for x in self.inv_freq.tolist()], "attention_scaling": self.scaling}

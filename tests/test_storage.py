@@ -165,7 +165,9 @@ def test_compact_falls_back_to_materialized_when_positions_are_not_0_to_n(tiny_l
         warnings.simplefilter("always")
         tiny_llama(ids, past_key_values=cache, position_ids=torch.arange(7, 307)[None])
         cache.compress()
-    assert any(issubclass(w.category, VarRateWarning) and "falls back" in str(w.message) for w in caught)
+    fallbacks = [str(w.message) for w in caught
+                 if issubclass(w.category, VarRateWarning) and "falls back" in str(w.message)]
+    assert fallbacks and all("custom position ids?); at offset 0 they differ from ours by" in m for m in fallbacks)
     assert all(layer.storage == "materialized" and not layer.compact for layer in cache.layers)
     assert cache.layers[0].keys.shape[-2] == 300
 
@@ -199,6 +201,9 @@ def test_tables_one_position_off_still_fall_back(tiny_llama):
     assert rope.offset_of(cos, sin, (0, 1)) == 1
     bf_cos, bf_sin = rope.tables_at(torch.arange(1, 301), torch.bfloat16)
     assert rope.offset_of(bf_cos, bf_sin) is None
+    assert rope.mismatch(cos, sin) > 1e4 and rope.mismatch(cos, sin, 1) == 0.0  # what a fallback's warning reports
+    up = torch.nextafter(cos, torch.full_like(cos, 2.0)), torch.nextafter(sin, torch.full_like(sin, 2.0))
+    assert 0.0 < rope.mismatch(*up, 1) <= 1.0  # one ulp: within the rounding `offset_of` allows
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_gemma3"])

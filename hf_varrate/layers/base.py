@@ -201,12 +201,17 @@ class VarRateLayer(TurnsMixin, DynamicLayer):
         the model's, to within rounding), or None if it can: for the coded prompt, or for the held one."""
         if self.rope is None:
             return "the cache has no rotary frequencies (build it with model=model)"
-        offsets = self.offsets
+        offsets, detail = self.offsets, ""
         if self.holding:
             rows = [row_inputs(self.held_context, b, self.keys, self.values) for b in range(self.keys.shape[0])]
             offsets = [self._rope_offset(row) for row in rows]
+            missed = [row for row, offset in zip(rows, offsets) if offset is None]
+            if missed:
+                worst = self.rope.mismatch(missed[0].cos, missed[0].sin)
+                detail = f"; at offset 0 they differ from ours by {worst:.3g}x rounding"
         if any(offset is None for offset in offsets):
-            return "the model's RoPE tables are not consecutive positions of its inv_freq (custom position ids?)"
+            return ("the model's RoPE tables are not consecutive positions of its inv_freq (custom position ids?)"
+                    + detail)
         return None
 
     # reads -------------------------------------------------------------------------------------------
