@@ -132,7 +132,17 @@ def test_kept_digits_counts_the_layer_heads_whose_pruned_keys_hold_each_position
     assert kept_share(keys, cache, [1], slice(3, 6)).tolist() == [0.0, 1.0, 0.5]
 
 
-def test_prompt_basis_pays_for_its_rows_and_beats_a_misaligned_basis_only_when_they_are_cheap():
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prompt_basis_pays_for_its_rows_and_beats_a_misaligned_basis_only_when_they_are_cheap(threads):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)  # the SVD's rounding, and so which rows win, follows the thread count
+    try:
+        _prompt_basis_checks()
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _prompt_basis_checks():
     from types import SimpleNamespace
 
     from studies.prompt_basis import own_basis_loss, preset_loss
@@ -145,7 +155,7 @@ def test_prompt_basis_pays_for_its_rows_and_beats_a_misaligned_basis_only_when_t
     shipped = preset_loss(coefs, config, 10.0, 64)  # 10 bytes: 8 coefficients at 4 bits, a fixed basis misses most
     charged, free, rows = own_basis_loss(coefs, config, 10.0, 64)
     assert rows >= 8 and charged < 0.05 * total < shipped  # 8 rows of 32 bytes over 4096 tokens: cheap
-    assert free <= charged * (1 + 1e-4)  # no rows to pay for: never worse
+    assert free <= charged * (1 + 1e-3)  # no rows to pay for: never worse, to within the SVD's rounding (1e-4 seen)
     few = coefs[:16]  # 8 rows over 16 tokens cost 16 bytes a token: more than the 10 there are
     charged, _, rows = own_basis_loss(few, config, 10.0, 64)
     assert rows == 0 and charged == pytest.approx(float(few.square().sum()))
