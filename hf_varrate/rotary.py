@@ -52,24 +52,31 @@ class RotaryFrequencies:
         vectorized one, another thread split) may differ from ours in the last bit, which moves a re-rotated
         key by ~1e-7 of its norm. Another offset, other positions or other frequencies move the fastest pair's
         angle by about a radian, far outside that."""
-        picks = sample_positions(cos.shape[1], device=cos.device)
-        tolerance = ROUNDING_ULPS * torch.finfo(cos.dtype).eps * max(1.0, abs(self.scaling))
+        tolerance = self._tolerance(cos.dtype)
         for offset in candidates:
-            mine_cos, mine_sin = self.tables_at(picks + offset, cos.dtype)
-            if (torch.allclose(mine_cos, cos[:, picks], rtol=0.0, atol=tolerance)
-                    and torch.allclose(mine_sin, sin[:, picks], rtol=0.0, atol=tolerance)):
+            mine_cos, mine_sin, their_cos, their_sin = self._sampled(cos, sin, offset)
+            if (torch.allclose(mine_cos, their_cos, rtol=0.0, atol=tolerance)
+                    and torch.allclose(mine_sin, their_sin, rtol=0.0, atol=tolerance)):
                 return offset
         return None
 
     def mismatch(self, cos: torch.Tensor, sin: torch.Tensor, offset: int = 0) -> float:
         """The largest difference between the model's tables cos, sin [1, n, d] and ours for positions offset..,
         at `offset_of`'s sampled positions, in units of the tolerance it allows (above 1: not ours)."""
+        mine_cos, mine_sin, their_cos, their_sin = self._sampled(cos, sin, offset)
+        worst = max(float((mine_cos.float() - their_cos.float()).abs().max()),
+                    float((mine_sin.float() - their_sin.float()).abs().max()))
+        return worst / self._tolerance(cos.dtype)
+
+    def _sampled(self, cos: torch.Tensor, sin: torch.Tensor, offset: int) -> tuple[torch.Tensor, ...]:
+        """(our cos, our sin, the model's cos, the model's sin) at a spread sample of the n positions, ours from
+        `offset` on."""
         picks = sample_positions(cos.shape[1], device=cos.device)
-        mine_cos, mine_sin = self.tables_at(picks + offset, cos.dtype)
-        tolerance = ROUNDING_ULPS * torch.finfo(cos.dtype).eps * max(1.0, abs(self.scaling))
-        worst = max(float((mine_cos.float() - cos[:, picks].float()).abs().max()),
-                    float((mine_sin.float() - sin[:, picks].float()).abs().max()))
-        return worst / tolerance
+        return (*self.tables_at(picks + offset, cos.dtype), cos[:, picks], sin[:, picks])
+
+    def _tolerance(self, dtype: torch.dtype) -> float:
+        """`ROUNDING_ULPS` units of rounding at magnitude 1 (or |attention_scaling|, if larger)."""
+        return ROUNDING_ULPS * torch.finfo(dtype).eps * max(1.0, abs(self.scaling))
 
     def to_metadata(self) -> dict:
         """JSON-able form for a bases artifact's config.json (fp32 values round-trip exactly through JSON)."""
