@@ -16,6 +16,7 @@ from hf_varrate.codec.quantization import dequantize_runs, quantize
 
 from test_attention import attention, compact  # noqa: F401 (fixture)
 from test_cache import prompt
+from test_native import same_bits
 
 needs_native = pytest.mark.skipif(not native.available(), reason="the C loops could not be built here (no compiler?)")
 OPS = ("dequantize_runs", "coded_key_scores", "anchor_keys", "add_anchor_shares")
@@ -83,8 +84,7 @@ def test_a_compiled_dequantization_runs_the_c_loop_bit_for_bit(dtype, fresh_dyna
     with native.disabled():
         want = dequantize_runs(coefs, type("Layout", (), {"runs": runs, "width": None})).to(dtype)
     assert "hf_varrate.dequantize_runs.default" in seen
-    assert torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
-                       want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+    assert got.dtype == dtype and same_bits(got, want)
 
 
 @pytest.mark.slow

@@ -27,6 +27,12 @@ def rebuilt_library():
     native_build.library.cache_clear()
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """a and b hold the same bits (fp32 or bf16 tensors of one dtype)."""
+    bits = torch.int16 if a.dtype == torch.bfloat16 else torch.int32
+    return a.dtype == b.dtype and torch.equal(a.view(bits), b.view(bits))
+
+
 def _runs(rows_and_ranks):
     runs, first = [], 0
     for rows, rank in rows_and_ranks:
@@ -48,9 +54,7 @@ def test_dequantize_runs_equals_pytorch_bit_for_bit(group, rows_and_ranks, dtype
     with native.disabled():
         want = dequantize_runs(coefs, types.SimpleNamespace(runs=runs, width=None)).to(dtype)
     got = native.dequantize_runs(coefs, runs, dtype)
-    assert got.dtype == dtype
-    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
-    assert torch.equal(got.view(bits), want.view(bits))
+    assert got.dtype == dtype and same_bits(got, want)
 
 
 @needs_native
@@ -69,9 +73,7 @@ def test_dequantize_runs_with_component_scales_equals_pytorch_bit_for_bit(tokens
     with native.disabled():
         want = dequantize_runs(coefs, layout).to(dtype)
     got = native.dequantize_runs(coefs, runs, dtype, width)
-    assert got.dtype == dtype and coefs.axis == "component"
-    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
-    assert torch.equal(got.view(bits), want.view(bits))
+    assert got.dtype == dtype and coefs.axis == "component" and same_bits(got, want)
 
 
 @needs_native
@@ -214,9 +216,9 @@ def test_the_loops_give_the_same_bits_on_any_number_of_threads():
     finally:
         torch.set_num_threads(threads)
     for values, scores, component_values in results[1:]:
-        assert torch.equal(values.view(torch.int16), results[0][0].view(torch.int16))
+        assert same_bits(values, results[0][0]) and values.dtype == torch.bfloat16
         assert torch.equal(scores, results[0][1])
-        assert torch.equal(component_values.view(torch.int32), results[0][2].view(torch.int32))
+        assert same_bits(component_values, results[0][2]) and component_values.dtype == torch.float32
 
 
 @needs_native
