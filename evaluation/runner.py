@@ -52,8 +52,16 @@ class Runner:
         self._model_name, self._model = None, None
 
     def run(self, max_examples: int | None = None, stages: list[int] | None = None) -> None:
-        """Run (or resume) every stage, or only the `stages` at these indices of the config's list."""
+        """Run (or resume) every stage, or only the `stages` at these indices of the config's list, at the
+        config's thread count; the caller's thread count comes back afterwards."""
+        threads = torch.get_num_threads()
         torch.set_num_threads(self.config.threads)
+        try:
+            self._run(max_examples, stages)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _run(self, max_examples: int | None, stages: list[int] | None) -> None:
         count = 0
         for i, stage in enumerate(self.config.stages):
             if stages is not None and i not in stages:

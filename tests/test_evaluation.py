@@ -330,3 +330,31 @@ def test_runner_runs_only_the_picked_stages(tmp_path, monkeypatch):
     monkeypatch.setattr(Runner, "evaluate", lambda self, stage, example, todo: seen.append(stage))
     Runner(config, tmp_path).run(stages=[10, 12])
     assert seen == [config.stages[10], config.stages[12]]
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_runner_runs_at_the_configs_threads_and_gives_the_callers_back(tmp_path, monkeypatch, fails):
+    from evaluation.config import load_config
+    from evaluation.runner import Runner
+
+    config = load_config(REPO / "evaluation/configs/full.yaml")
+    caller = torch.get_num_threads()
+    config.threads = 1 if caller > 1 else 2
+    seen = []
+
+    def evaluate(self, stage, example, todo):
+        seen.append(torch.get_num_threads())
+        if fails:
+            raise RuntimeError("a stage failed")
+
+    monkeypatch.setattr(Runner, "wait_for_bases", lambda self, stage: None)
+    monkeypatch.setattr(Runner, "stage_examples", lambda self, stage: iter([stage]))
+    monkeypatch.setattr(Runner, "todo", lambda self, stage, example: ["row"])
+    monkeypatch.setattr(Runner, "evaluate", evaluate)
+    if fails:
+        with pytest.raises(RuntimeError, match="a stage failed"):
+            Runner(config, tmp_path).run(stages=[0])
+    else:
+        Runner(config, tmp_path).run(stages=[0])
+    assert seen == [config.threads]
+    assert torch.get_num_threads() == caller
