@@ -101,12 +101,12 @@ def test_inductor_compiles_the_positions_of_the_coded_tokens(fresh_dynamo):
 
 def _op_samples():
     gen = torch.Generator().manual_seed(2)
-    coefs = quantize(torch.randn(60, generator=gen), torch.full((6,), 10), 4, 8)
+    coefs = quantize(torch.randn(60, generator=gen), torch.full((6,), 10), 3, 8)
     turns, weights = torch.randn(20, 4, 2, generator=gen), torch.rand(2, 3, 15 + 9 + 2, generator=gen)
     coded, exact, _ = weights.split((15, 9, 2), dim=-1)
     return {
-        "dequantize_runs": (coefs.codes, coefs.steps.float(), coefs.mins.float(), torch.tensor([[0, 6, 10]]), 8, 0, 60,
-                            True),
+        "dequantize_runs": (coefs.codes, 3, coefs.steps.float(), coefs.mins.float(), torch.tensor([[0, 6, 10]]), 8, 0,
+                            60, True),
         "coded_key_scores": (torch.randn(15, 16, generator=gen), torch.randn(5, 16, generator=gen),
                              torch.randint(5, (15, 2), generator=gen), turns, torch.randperm(20, generator=gen)[:15],
                              torch.randn(2, 3, 8, generator=gen)),

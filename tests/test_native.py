@@ -2,6 +2,7 @@
 without a compiler everything still works on PyTorch."""
 
 import copy
+import dataclasses
 import types
 import warnings
 
@@ -9,9 +10,9 @@ import pytest
 import torch
 
 import hf_varrate
-from hf_varrate.codec import attend, native, native_build
+from hf_varrate.codec import attend, native, native_build, ops
 from hf_varrate.codec.projection import DenseOrder
-from hf_varrate.codec.quantization import dequantize_runs, quantize, quantize_components
+from hf_varrate.codec.quantization import dequantize_runs, quantize, quantize_components, unpack_bits
 
 from test_attention import attention, compact  # noqa: F401 (fixture)
 from test_cache import prompt
@@ -42,15 +43,18 @@ def _runs(rows_and_ranks):
 
 
 @needs_native
+@pytest.mark.parametrize("bits", [4, 3, 2, 8])
 @pytest.mark.parametrize("group", [32, 16, 8])
 @pytest.mark.parametrize("rows_and_ranks", [[(7, 40), (13, 39)], [(5, 3)], [(1, 1), (4, 33), (2, 64)]])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_dequantize_runs_equals_pytorch_bit_for_bit(group, rows_and_ranks, dtype):
+def test_dequantize_runs_equals_pytorch_bit_for_bit(bits, group, rows_and_ranks, dtype):
+    """Any bit width: values that start mid-byte, cross a byte or end the stream come back as PyTorch's."""
     runs = _runs(rows_and_ranks)
     ranks = torch.cat([torch.full((stop - first,), rank) for first, stop, rank in runs])
     x = torch.randn(int(ranks.sum()), generator=torch.Generator().manual_seed(group)) * 3
     x[: min(group, rows_and_ranks[0][1])] = 0.25  # a constant group: step 0
-    coefs = quantize(x, ranks, 4, group)
+    coefs = quantize(x, ranks, bits, group)
+    assert int(unpack_bits(coefs.codes, bits, coefs.count).max()) == 2**bits - 1  # codes use their top bit too
     with native.disabled():
         want = dequantize_runs(coefs, types.SimpleNamespace(runs=runs, width=None)).to(dtype)
     got = native.dequantize_runs(coefs, runs, dtype)
@@ -58,10 +62,11 @@ def test_dequantize_runs_equals_pytorch_bit_for_bit(group, rows_and_ranks, dtype
 
 
 @needs_native
+@pytest.mark.parametrize("bits", [4, 3])
 @pytest.mark.parametrize("tokens", [64, 16, 5])
 @pytest.mark.parametrize("rows_and_ranks", [[(7, 40), (13, 39)], [(5, 3)], [(1, 1), (70, 33), (2, 64)]])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_dequantize_runs_with_component_scales_equals_pytorch_bit_for_bit(tokens, rows_and_ranks, dtype):
+def test_dequantize_runs_with_component_scales_equals_pytorch_bit_for_bit(bits, tokens, rows_and_ranks, dtype):
     """Scales per component (a [T, width] grid, `tokens` tokens per row of it): the same loop, the same bits."""
     runs = _runs(rows_and_ranks)
     ranks = torch.cat([torch.full((stop - first,), rank) for first, stop, rank in runs])
@@ -69,7 +74,7 @@ def test_dequantize_runs_with_component_scales_equals_pytorch_bit_for_bit(tokens
     dense = torch.randn(ranks.numel(), width, generator=torch.Generator().manual_seed(tokens)) * 3
     dense[:, 0] = 0.25  # a constant component: step 0
     layout = DenseOrder(ranks, width, 8, int(ranks.sum()), runs)
-    coefs = quantize_components(dense, layout, 4, tokens)
+    coefs = quantize_components(dense, layout, bits, tokens)
     with native.disabled():
         want = dequantize_runs(coefs, layout).to(dtype)
     got = native.dequantize_runs(coefs, runs, dtype, width)
@@ -96,10 +101,16 @@ def test_the_library_dequantizes_runs_through_the_c_loop(monkeypatch):
 
 
 @needs_native
-def test_dequantize_runs_leaves_other_bit_widths_to_pytorch():
-    ranks = torch.full((4,), 10)
-    coefs = quantize(torch.randn(40), ranks, 3, 8)
-    assert native.dequantize_runs(coefs, [(0, 4, 10)], torch.float32) is None
+def test_a_stream_too_short_for_its_bit_width_is_left_to_pytorch_and_refused_by_the_op():
+    coefs = quantize(torch.randn(40), torch.full((4,), 10), 3, 8)  # 40 values of 3 bits: 15 bytes
+    short = dataclasses.replace(coefs, codes=coefs.codes[:14])
+    assert native.dequantize_runs(short, [(0, 4, 10)], torch.float32) is None
+    with pytest.raises(ValueError, match="40 values of 3 bits do not fit 14 bytes"):
+        ops.dequantize_runs_loop(short.codes, 3, coefs.steps.float(), coefs.mins.float(), torch.tensor([[0, 4, 10]]),
+                                 8, 0, 40, False)
+    with pytest.raises(ValueError, match="of 5 bits"):
+        ops.dequantize_runs_loop(coefs.codes, 5, coefs.steps.float(), coefs.mins.float(), torch.tensor([[0, 4, 10]]),
+                                 8, 0, 40, False)
 
 
 @needs_native

@@ -27,13 +27,51 @@ static inline float from_bf16(uint16_t half) {
     return value;
 }
 
-/* 4-bit group-wise codes -> values, for ranks constant over runs of tokens (hf_varrate.codec.quantization.
-   dequantize_runs, then .to(bf16) when out_bf16). codes: the packed stream, value i in byte i/2's low
-   nibble if i is even, its high one if odd. runs [n_runs, 3]: (first, stop, rank). With width 0 the scales
+/* Values start .. start + count - 1 of a packed stream of `bits`-bit codes (2, 3, 4 or 8) into q: value i
+   sits at bits bits * i .. bits * i + bits - 1 of the little-endian bit stream (pack_bits: for 4 bits, value
+   2i in byte i's low nibble, 2i + 1 in its high one). Reads no byte past the last value's. */
+static inline void unpack_codes(const uint8_t *codes, int bits, int64_t start, int64_t count, uint8_t *q) {
+    if (bits == 4) {  /* whole bytes into a scratch that starts at start's byte, so q may lag it by one */
+        const uint8_t *bytes = codes + start / 2;
+        uint8_t *scratch = q - start % 2;
+        const int64_t n_bytes = (start % 2 + count + 1) / 2;
+        for (int64_t i = 0; i < n_bytes; i++) {
+            scratch[2 * i] = bytes[i] & 0xF;
+            scratch[2 * i + 1] = bytes[i] >> 4;
+        }
+        return;
+    }
+    const unsigned mask = (1u << bits) - 1u;
+    int64_t j = 0;
+    for (; j < count && (start + j) % 8; j++) {  /* up to the next 8 values, which start on a byte */
+        const int64_t bit = (start + j) * bits;
+        const unsigned shift = (unsigned)(bit & 7);
+        unsigned word = codes[bit >> 3];
+        if (shift + (unsigned)bits > 8u) word |= (unsigned)codes[(bit >> 3) + 1] << 8;
+        q[j] = (uint8_t)((word >> shift) & mask);
+    }
+    for (; j + 8 <= count; j += 8) {  /* 8 values in `bits` whole bytes */
+        const uint8_t *bytes = codes + (start + j) / 8 * bits;
+        uint64_t word = 0;
+        for (int b = 0; b < bits; b++) word |= (uint64_t)bytes[b] << (8 * b);
+        for (int k = 0; k < 8; k++) q[j + k] = (uint8_t)((word >> (k * bits)) & mask);
+    }
+    for (; j < count; j++) {  /* the last few: their bytes end at or before the last value's */
+        const int64_t bit = (start + j) * bits;
+        const unsigned shift = (unsigned)(bit & 7);
+        unsigned word = codes[bit >> 3];
+        if (shift + (unsigned)bits > 8u) word |= (unsigned)codes[(bit >> 3) + 1] << 8;
+        q[j] = (uint8_t)((word >> shift) & mask);
+    }
+}
+
+/* Group-wise codes of `bits` bits -> values, for ranks constant over runs of tokens (hf_varrate.codec.
+   quantization.dequantize_runs, then .to(bf16) when out_bf16). codes: the packed stream (unpack_codes).
+   runs [n_runs, 3]: (first, stop, rank). With width 0 the scales
    sit per token: steps, mins fp32, one per group, token after token; a token's groups cover `group` values,
    its last one the rest. With width > 0 they sit per component (axis "component"): steps, mins fp32 [T, width],
    row t // group for token t, column j for its j-th coefficient. out: [count] fp32, or bf16 as uint16. */
-void dequantize_runs(const uint8_t *codes, const float *steps, const float *mins, const int64_t *runs,
+void dequantize_runs(const uint8_t *codes, int bits, const float *steps, const float *mins, const int64_t *runs,
                      int64_t n_runs, int64_t group, int64_t width, void *out, int out_bf16, int threads) {
     int64_t offset = 0, first_group = 0;
     for (int64_t run = 0; run < n_runs; run++) {
@@ -43,13 +81,8 @@ void dequantize_runs(const uint8_t *codes, const float *steps, const float *mins
         for (int64_t row = 0; row < rows; row++) {
             uint8_t scratch[rank + 2];
             const int64_t start = offset + row * rank;
-            const uint8_t *bytes = codes + start / 2;
-            const int64_t n_bytes = (start % 2 + rank + 1) / 2;
-            for (int64_t i = 0; i < n_bytes; i++) {
-                scratch[2 * i] = bytes[i] & 0xF;
-                scratch[2 * i + 1] = bytes[i] >> 4;
-            }
-            const uint8_t *q = scratch + start % 2;
+            uint8_t *q = scratch + start % 2;
+            unpack_codes(codes, bits, start, rank, q);
             if (width) {  /* one (min, step) per component of this token's group of tokens */
                 const float *row_steps = steps + (first + row) / group * width;
                 const float *row_mins = mins + (first + row) / group * width;

@@ -61,11 +61,12 @@ def _run(op, loop, *args):
 
 def dequantize_runs(coefs, runs: list[tuple[int, int, int]] | None, dtype: torch.dtype,
                     width: int | None = None) -> torch.Tensor | None:
-    """`quantization.dequantize_runs(coefs, layout).to(dtype)` in one pass, for 4-bit codes on CPU and dtype
-    float32 or bfloat16, with scales per token, or per component (`width`: the layout's, their grid's row);
-    None where it does not apply (the caller dequantizes in PyTorch)."""
+    """`quantization.dequantize_runs(coefs, layout).to(dtype)` in one pass, for codes of 2, 3, 4 or 8 bits on CPU
+    and dtype float32 or bfloat16, with scales per token, or per component (`width`: the layout's, their grid's
+    row); None where it does not apply (the caller dequantizes in PyTorch)."""
     codes = coefs.codes
-    if (runs is None or codes.device.type != "cpu" or coefs.bits != 4 or coefs.axis not in ("token", "component")
+    if (runs is None or codes.device.type != "cpu" or coefs.bits not in (2, 3, 4, 8)
+            or coefs.axis not in ("token", "component")
             or dtype not in (torch.float32, torch.bfloat16) or not available()):
         return None
     values = sum((stop - first) * rank for first, stop, rank in runs)
@@ -77,11 +78,12 @@ def dequantize_runs(coefs, runs: list[tuple[int, int, int]] | None, dtype: torch
     else:
         width = 0
         fits = sum((stop - first) * -(-rank // coefs.group) for first, stop, rank in runs) <= scales
-    if values != coefs.count or values > 2 * codes.numel() or not fits:
+    if values != coefs.count or values * coefs.bits > 8 * codes.numel() or not fits:
         return None  # not this stream's runs: PyTorch's path raises
     table = torch.tensor(runs, dtype=torch.int64).reshape(-1, 3)
-    return _run(ops.dequantize_runs, ops.dequantize_runs_loop, codes.contiguous(), coefs.steps.float().contiguous(),
-                coefs.mins.float().contiguous(), table, coefs.group, width, coefs.count, dtype == torch.bfloat16)
+    return _run(ops.dequantize_runs, ops.dequantize_runs_loop, codes.contiguous(), coefs.bits, coefs.steps.float()
+                .contiguous(), coefs.mins.float().contiguous(), table, coefs.group, width, coefs.count,
+                dtype == torch.bfloat16)
 
 
 def coded_key_scores(proj: torch.Tensor, anchors: torch.Tensor, neighbours: torch.Tensor, turns: torch.Tensor,

@@ -30,7 +30,7 @@ ENV_SWITCH = "HF_VARRATE_NATIVE"
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {
-    "dequantize_runs": [_P, _P, _P, _P, _I, _I, _I, _P, ctypes.c_int, ctypes.c_int],
+    "dequantize_runs": [_P, ctypes.c_int, _P, _P, _P, _I, _I, _I, _P, ctypes.c_int, ctypes.c_int],
     "coded_key_scores": [_P, ctypes.c_int, _I, _I, _I, _P, _P, _I, _P, _P, _P, _I, _P, ctypes.c_int],
     "anchor_keys": [_P, _I, _I, _I, _P, _P, _I, _P, _I, _P],
     "add_anchor_shares": [_P, _P, _I, _I, _I, _P, _I, _P, ctypes.c_int],

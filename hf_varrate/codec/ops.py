@@ -37,14 +37,17 @@ def _loops():
     return loops
 
 
-def dequantize_runs_loop(codes: torch.Tensor, steps: torch.Tensor, mins: torch.Tensor, runs: torch.Tensor, group: int,
-                         width: int, count: int, bf16: bool) -> torch.Tensor:
-    """4-bit codes uint8 [ceil(count / 2)], steps and mins fp32 (per token's group: [groups]; per component, width
-    > 0: [T * width]), runs int64 [n, 3] (first, stop, rank) -> values [count], bf16 or fp32."""
+def dequantize_runs_loop(codes: torch.Tensor, bits: int, steps: torch.Tensor, mins: torch.Tensor, runs: torch.Tensor,
+                         group: int, width: int, count: int, bf16: bool) -> torch.Tensor:
+    """`bits`-bit codes (2, 3, 4 or 8) uint8 [ceil(count / 8) * bits], steps and mins fp32 (per token's group:
+    [groups]; per component, width > 0: [T * width]), runs int64 [n, 3] (first, stop, rank) -> values [count],
+    bf16 or fp32."""
+    if bits not in (2, 3, 4, 8) or codes.numel() * 8 < count * bits:
+        raise ValueError(f"dequantize_runs: {count} values of {bits} bits do not fit {codes.numel()} bytes of codes")
     out = torch.empty(count, dtype=torch.bfloat16 if bf16 else torch.float32)
     codes, steps, mins, runs = codes.contiguous(), steps.contiguous(), mins.contiguous(), runs.contiguous()
-    _loops().dequantize_runs(_ptr(codes), _ptr(steps), _ptr(mins), _ptr(runs), runs.shape[0], group, width, _ptr(out),
-                             int(bf16), torch.get_num_threads())
+    _loops().dequantize_runs(_ptr(codes), bits, _ptr(steps), _ptr(mins), _ptr(runs), runs.shape[0], group, width,
+                             _ptr(out), int(bf16), torch.get_num_threads())
     return out
 
 
@@ -53,7 +56,7 @@ dequantize_runs = torch.library.custom_op(f"{_NAMESPACE}::dequantize_runs", dequ
 
 
 @dequantize_runs.register_fake
-def _(codes, steps, mins, runs, group, width, count, bf16):
+def _(codes, bits, steps, mins, runs, group, width, count, bf16):
     return codes.new_empty(count, dtype=torch.bfloat16 if bf16 else torch.float32)
 
 
