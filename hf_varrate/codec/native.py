@@ -1,7 +1,7 @@
 """Optional C loops for coding a prompt and for a compact layer's read: when the codec uses them.
 
 Attending over the codes (`attend.attend_codes`) spends most of a read on elementwise passes over
-layer-sized buffers: unpacking and scaling 4-bit codes, adding the anchor means, RoPE, the scores.
+layer-sized buffers: unpacking and scaling the codes, adding the anchor means, RoPE, the scores.
 `native.c` does each in one pass; nothing else changes (same arithmetic, same results: bit for bit
 for the dequantization, to float rounding for the scores). Each function here returns None (or False)
 where its loop does not apply: tensors not on the CPU (a GPU runs the PyTorch path), other dtypes, or no

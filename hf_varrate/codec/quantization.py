@@ -241,9 +241,9 @@ def dequantize_runs(coefs: QuantizedCoefs, layout: DenseOrder) -> torch.Tensor:
     """`dequantize` (bit for bit) for ranks constant over runs (`layout.runs`): each run's codes and group
     scales are row-major blocks of the stream, so the scales broadcast over views instead of being
     expanded per coefficient. 4-bit codes unpack straight into the fp32 result. (In bf16 the same steps
-    ran 2x slower on CPU and rounded three times: convert the result instead.) On CPU, 4-bit codes go
-    through the C loop of `native.c` where it is built (scales per token or per component): the same values,
-    in one pass."""
+    ran 2x slower on CPU and rounded three times: convert the result instead.) On CPU, codes go through the
+    C loop of `native.c` where it is built (any bit width, scales per token or per component): the same
+    values, in one pass."""
     fast = native.dequantize_runs(coefs, layout.runs, torch.float32, layout.width)
     if fast is not None:
         return fast
