@@ -65,12 +65,32 @@ static inline void unpack_codes(const uint8_t *codes, int bits, int64_t start, i
     }
 }
 
+/* out[at + j] = q[j] * step[j * stride] + min[j * stride] for j < n (fp32, or bf16 as uint16 when bf16): stride 0
+   for one (min, step) over all n values, 1 for one per value. Inlined with a constant stride, each call is its
+   own loop. */
+static inline void scale_shift(const uint8_t *q, const float *step, const float *min, int64_t stride, int64_t n,
+                               void *out, int64_t at, int bf16) {
+    if (bf16) {
+        uint16_t *dst = (uint16_t *)out + at;
+        for (int64_t j = 0; j < n; j++) {
+            float value = (float)q[j] * step[j * stride];
+            dst[j] = to_bf16(value + min[j * stride]);
+        }
+    } else {
+        float *dst = (float *)out + at;
+        for (int64_t j = 0; j < n; j++) {
+            float value = (float)q[j] * step[j * stride];
+            dst[j] = value + min[j * stride];
+        }
+    }
+}
+
 /* Group-wise codes of `bits` bits -> values, for ranks constant over runs of tokens (hf_varrate.codec.
    quantization.dequantize_runs, then .to(bf16) when out_bf16). codes: the packed stream (unpack_codes).
-   runs [n_runs, 3]: (first, stop, rank). With width 0 the scales
-   sit per token: steps, mins fp32, one per group, token after token; a token's groups cover `group` values,
-   its last one the rest. With width > 0 they sit per component (axis "component"): steps, mins fp32 [T, width],
-   row t // group for token t, column j for its j-th coefficient. out: [count] fp32, or bf16 as uint16. */
+   runs [n_runs, 3]: (first, stop, rank). With width 0 the scales sit per token: steps, mins fp32, one per
+   group, token after token; a token's groups cover `group` values, its last one the rest. With width > 0 they
+   sit per component (axis "component"): steps, mins fp32 [T, width], row t // group for token t, column j for
+   its j-th coefficient. out: [count] fp32, or bf16 as uint16. */
 void dequantize_runs(const uint8_t *codes, int bits, const float *steps, const float *mins, const int64_t *runs,
                      int64_t n_runs, int64_t group, int64_t width, void *out, int out_bf16, int threads) {
     int64_t offset = 0, first_group = 0;
@@ -84,40 +104,14 @@ void dequantize_runs(const uint8_t *codes, int bits, const float *steps, const f
             uint8_t *q = scratch + start % 2;
             unpack_codes(codes, bits, start, rank, q);
             if (width) {  /* one (min, step) per component of this token's group of tokens */
-                const float *row_steps = steps + (first + row) / group * width;
-                const float *row_mins = mins + (first + row) / group * width;
-                if (out_bf16) {
-                    uint16_t *dst = (uint16_t *)out + start;
-                    for (int64_t j = 0; j < rank; j++) {
-                        float value = (float)q[j] * row_steps[j];
-                        dst[j] = to_bf16(value + row_mins[j]);
-                    }
-                } else {
-                    float *dst = (float *)out + start;
-                    for (int64_t j = 0; j < rank; j++) {
-                        float value = (float)q[j] * row_steps[j];
-                        dst[j] = value + row_mins[j];
-                    }
-                }
+                const int64_t at = (first + row) / group * width;
+                scale_shift(q, steps + at, mins + at, 1, rank, out, start, out_bf16);
                 continue;
             }
             const float *row_steps = steps + first_group + row * groups, *row_mins = mins + first_group + row * groups;
             for (int64_t g = 0; g < groups; g++) {
-                const int64_t j0 = g * group, j1 = j0 + group < rank ? j0 + group : rank;
-                const float step = row_steps[g], min = row_mins[g];
-                if (out_bf16) {
-                    uint16_t *dst = (uint16_t *)out + start;
-                    for (int64_t j = j0; j < j1; j++) {
-                        float value = (float)q[j] * step;
-                        dst[j] = to_bf16(value + min);
-                    }
-                } else {
-                    float *dst = (float *)out + start;
-                    for (int64_t j = j0; j < j1; j++) {
-                        float value = (float)q[j] * step;
-                        dst[j] = value + min;
-                    }
-                }
+                const int64_t j0 = g * group, n = (j0 + group < rank ? j0 + group : rank) - j0;
+                scale_shift(q + j0, row_steps + g, row_mins + g, 0, n, out, start + j0, out_bf16);
             }
         }
         offset += rows * rank;
