@@ -77,16 +77,20 @@ def _dense(ranks, group, dtype, seed=0):
 
 
 @needs_native
+@pytest.mark.parametrize("bits", [4, 3, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group", [32, 8])
 @pytest.mark.parametrize("ranks", [[40] * 7 + [39] * 13, [5] * 3, [33] * 4 + [30] * 3 + [17], [64] * 9])
-def test_quantize_dense_through_the_c_loops_equals_pytorch_bit_for_bit(ranks, group, dtype):
+def test_quantize_dense_through_the_c_loops_equals_pytorch_bit_for_bit(ranks, group, dtype, bits, monkeypatch):
     layout, coefs = _dense(ranks, group, dtype)
     assert layout is not None and layout.runs is not None
-    got = quantize_dense(coefs.clone(), layout, 4)
+    loop, calls = native.quantize_runs, []
+    monkeypatch.setattr(native, "quantize_runs", lambda *args: calls.append(args) or loop(*args))
+    got = quantize_dense(coefs.clone(), layout, bits)
+    assert len(calls) == 1  # through the C loop
     with native.disabled():
-        want = quantize_dense(coefs.clone(), layout, 4)
-        stream = quantize(layout.to_stream(coefs.float()), layout.ranks, 4, group)
+        want = quantize_dense(coefs.clone(), layout, bits)
+        stream = quantize(layout.to_stream(coefs.float()), layout.ranks, bits, group)
     for a, b in ((got, want), (got, stream)):
         assert (a.count, a.bits, a.group) == (b.count, b.bits, b.group)
         for x, y in zip(a.tensors(), b.tensors()):
@@ -95,7 +99,8 @@ def test_quantize_dense_through_the_c_loops_equals_pytorch_bit_for_bit(ranks, gr
 
 @needs_native
 @pytest.mark.parametrize("overrides", [{"preset": "recommended"}, {"preset": "recommended", "projection_dtype": "float32"},
-                                       {"signal": "uniform", "coef_bits": 4}, {}])
+                                       {"signal": "uniform", "coef_bits": 4}, {"signal": "uniform", "coef_bits": 3},
+                                       {}])
 @pytest.mark.parametrize("reconstruct", [False, True])
 def test_a_prompt_codes_the_same_with_or_without_the_c_loops(overrides, reconstruct):
     """Repeated tokens make exactly equal anchor distances (as a model's first layers do): the code, ranks,
@@ -133,7 +138,7 @@ def _op_samples():
         "subtract_means": (torch.randn(6, 8, generator=g), torch.randn(4, 8, generator=g),
                            torch.randint(4, (6, 2), generator=g), True),
         "group_ranges": (coefs, table, 8, 3 * 2 + 2 * 2),
-        "quantize_runs": (coefs, table, 8, torch.randn(10, generator=g), torch.rand(10, generator=g) + 0.1, 54),
+        "quantize_runs": (coefs, table, 8, 3, torch.randn(10, generator=g), torch.rand(10, generator=g) + 0.1, 54),
     }
 
 

@@ -382,13 +382,15 @@ void group_ranges(const void *coefs, int bf16, int64_t row_stride, const int64_t
     }
 }
 
-/* 4-bit codes of the dense coefficients (as group_ranges reads them): q = clamp(round_half_even((x - min) /
-   divisor), 0, 15) per value, the divisor inf for a constant group, as quantize_dense computes them; then
-   packed two per byte (value 2i in byte i's low nibble, 2i + 1 in its high one), zero-padded to
-   ceil(count / 8) * 4 bytes as pack_bits writes them. mins, divisors [groups] fp32; scratch [count] uint8. */
+/* `bits`-bit codes (2, 3 or 4) of the dense coefficients (as group_ranges reads them): q = clamp(round_half_even(
+   (x - min) / divisor), 0, 2^bits - 1) per value, the divisor inf for a constant group, as quantize_dense computes
+   them; then packed as pack_bits writes them (value i at bits bits * i .. of the little-endian bit stream: 8 values
+   in `bits` bytes), zero-padded to ceil(count / 8) * bits bytes. mins, divisors [groups] fp32; scratch [count]
+   uint8. */
 void quantize_runs(const void *coefs, int bf16, int64_t row_stride, const int64_t *runs, int64_t n_runs,
-                   int64_t group, const float *mins, const float *divisors, uint8_t *scratch, int64_t count,
+                   int64_t group, int bits, const float *mins, const float *divisors, uint8_t *scratch, int64_t count,
                    uint8_t *codes, int threads) {
+    const float top = (float)((1 << bits) - 1);
     int64_t offset = 0, first_group = 0;
     for (int64_t run = 0; run < n_runs; run++) {
         const int64_t first = runs[3 * run], rows = runs[3 * run + 1] - first, rank = runs[3 * run + 2];
@@ -403,17 +405,18 @@ void quantize_runs(const void *coefs, int bf16, int64_t row_stride, const int64_
                 for (int64_t j = j0; j < j1; j++) {
                     float value = __builtin_nearbyintf((coefficient(coefs, bf16, base + j) - min) / div);
                     value = value > 0.0f ? value : 0.0f;
-                    q[j] = (uint8_t)(value < 15.0f ? value : 15.0f);
+                    q[j] = (uint8_t)(value < top ? value : top);
                 }
             }
         }
         offset += rows * rank;
         first_group += rows * groups;
     }
-    const int64_t n_bytes = (count + 7) / 8 * 4;
+    const int64_t chunks = (count + 7) / 8;
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t i = 0; i < n_bytes; i++) {
-        const uint8_t low = 2 * i < count ? scratch[2 * i] : 0, high = 2 * i + 1 < count ? scratch[2 * i + 1] : 0;
-        codes[i] = (uint8_t)(low | (high << 4));
+    for (int64_t c = 0; c < chunks; c++) {  /* 8 values (zeros past count) -> `bits` bytes */
+        uint64_t word = 0;
+        for (int64_t k = 0; k < 8 && 8 * c + k < count; k++) word |= (uint64_t)scratch[8 * c + k] << (k * bits);
+        for (int b = 0; b < bits; b++) codes[c * bits + b] = (uint8_t)(word >> (8 * b));
     }
 }

@@ -173,13 +173,14 @@ def group_ranges(coefs: torch.Tensor, runs: list[tuple[int, int, int]], group: i
     return _run(ops.group_ranges, ops.group_ranges_loop, coefs, _run_table(runs), group, groups)
 
 
-def quantize_runs(coefs: torch.Tensor, runs: list[tuple[int, int, int]], group: int, mins: torch.Tensor,
+def quantize_runs(coefs: torch.Tensor, runs: list[tuple[int, int, int]], group: int, bits: int, mins: torch.Tensor,
                   divisors: torch.Tensor) -> torch.Tensor:
-    """The packed 4-bit stream of `coefs` (as `group_ranges` takes them), given each group's min and divisor (fp32
-    [G]; inf where a group is constant): what `quantization.quantize_dense` packs, bit for bit. Call only where
-    `group_ranges` applied."""
+    """The packed stream of `bits`-bit codes (2, 3 or 4) of `coefs` (as `group_ranges` takes them), given each
+    group's min and divisor (fp32 [G]; inf where a group is constant): what `quantization.quantize_dense` packs,
+    bit for bit. Call only where `group_ranges` applied."""
     count = sum((stop - first) * rank for first, stop, rank in runs)
-    return _run(ops.quantize_runs, ops.quantize_runs_loop, coefs, _run_table(runs), group, mins, divisors, count)
+    return _run(ops.quantize_runs, ops.quantize_runs_loop, coefs, _run_table(runs), group, bits, mins, divisors,
+                count)
 
 
 def _runs_fit(runs, shape) -> bool:

@@ -234,14 +234,16 @@ def _(coefs, runs, group, n_groups):
     return [coefs.new_empty(n_groups, dtype=torch.float32), coefs.new_empty(n_groups, dtype=torch.float32)]
 
 
-def quantize_runs_loop(coefs: torch.Tensor, runs: torch.Tensor, group: int, mins: torch.Tensor, divisors: torch.Tensor,
-                       count: int) -> torch.Tensor:
-    """Dense coefficients [C, W] (as `group_ranges_loop`), each group's min and divisor fp32 [G] -> the packed 4-bit
-    stream uint8 [ceil(count / 8) * 4] (`native.quantize_runs`)."""
+def quantize_runs_loop(coefs: torch.Tensor, runs: torch.Tensor, group: int, bits: int, mins: torch.Tensor,
+                       divisors: torch.Tensor, count: int) -> torch.Tensor:
+    """Dense coefficients [C, W] (as `group_ranges_loop`), each group's min and divisor fp32 [G] -> the packed
+    `bits`-bit stream (2, 3 or 4) uint8 [ceil(count / 8) * bits] (`native.quantize_runs`)."""
+    if bits not in (2, 3, 4):
+        raise ValueError(f"quantize_runs: bits must be 2, 3 or 4, got {bits}")
     coefs, runs, mins, divisors = coefs.contiguous(), runs.contiguous(), mins.contiguous(), divisors.contiguous()
-    scratch, codes = torch.empty(count, dtype=torch.uint8), torch.empty(-(-count // 8) * 4, dtype=torch.uint8)
+    scratch, codes = torch.empty(count, dtype=torch.uint8), torch.empty(-(-count // 8) * bits, dtype=torch.uint8)
     _loops().quantize_runs(_ptr(coefs), int(coefs.dtype == torch.bfloat16), coefs.shape[1], _ptr(runs), runs.shape[0],
-                           group, _ptr(mins), _ptr(divisors), _ptr(scratch), count, _ptr(codes),
+                           group, bits, _ptr(mins), _ptr(divisors), _ptr(scratch), count, _ptr(codes),
                            torch.get_num_threads())
     return codes
 
@@ -251,8 +253,8 @@ quantize_runs = torch.library.custom_op(f"{_NAMESPACE}::quantize_runs", quantize
 
 
 @quantize_runs.register_fake
-def _(coefs, runs, group, mins, divisors, count):
-    return coefs.new_empty(-(-count // 8) * 4, dtype=torch.uint8)
+def _(coefs, runs, group, bits, mins, divisors, count):
+    return coefs.new_empty(-(-count // 8) * bits, dtype=torch.uint8)
 
 
 def _dim_contiguous(tensor: torch.Tensor) -> torch.Tensor:

@@ -186,11 +186,11 @@ def _round_up(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def quantize_dense(coefs: torch.Tensor, layout: DenseOrder, bits: int) -> QuantizedCoefs:
     """`quantize` of the stream `layout.to_stream(coefs)` from its dense layout coefs [C, K * group] fp32 or bf16
     (`projection.DenseOrder`; may be overwritten). Bit for bit what `quantize` gives, without expanding
-    per-group values to the stream: views [C, K, group] broadcast them. 4-bit codes of runs on CPU go
+    per-group values to the stream: views [C, K, group] broadcast them. Codes of 2-4 bits of runs on CPU go
     through `native.c`'s loops where built (`_quantize_runs`): the same bits, in two passes."""
     if bits not in BITS:
         raise ValueError(f"coef_bits must be one of {list(BITS)} or None, got {bits!r}")
-    fast = _quantize_runs(coefs, layout) if bits == 4 and layout.runs is not None else None
+    fast = _quantize_runs(coefs, layout, bits) if layout.runs is not None and bits < 8 else None
     if fast is not None:
         return fast
     rows, group = coefs.shape[0], layout.group
@@ -208,8 +208,8 @@ def quantize_dense(coefs: torch.Tensor, layout: DenseOrder, bits: int) -> Quanti
     return QuantizedCoefs(pack_bits(q, bits), mins, steps, bits, group, q.numel())
 
 
-def _quantize_runs(coefs: torch.Tensor, layout: DenseOrder) -> QuantizedCoefs | None:
-    """`quantize_dense` at 4 bits for ranks constant over runs, through the C loops: group ranges in one pass,
+def _quantize_runs(coefs: torch.Tensor, layout: DenseOrder, bits: int) -> QuantizedCoefs | None:
+    """`quantize_dense` for ranks constant over runs, through the C loops: group ranges in one pass,
     each group's min and step as `quantize_dense` rounds them (here, on [G] values), codes and packing in
     another. None where the loops do not apply."""
     ranges = native.group_ranges(coefs, layout.runs, layout.group)
@@ -218,10 +218,10 @@ def _quantize_runs(coefs: torch.Tensor, layout: DenseOrder) -> QuantizedCoefs | 
     lo, hi = ranges
     dtype = scale_dtype(lo, hi)
     mins = _round_down(lo, dtype)
-    steps = _round_up((hi - mins.float()) / 15, dtype)
+    steps = _round_up((hi - mins.float()) / (2**bits - 1), dtype)
     divisors = steps.float().masked_fill(steps == 0, float("inf"))
-    codes = native.quantize_runs(coefs, layout.runs, layout.group, mins.float(), divisors)
-    return QuantizedCoefs(codes, mins, steps, 4, layout.group, layout.total)
+    codes = native.quantize_runs(coefs, layout.runs, layout.group, bits, mins.float(), divisors)
+    return QuantizedCoefs(codes, mins, steps, bits, layout.group, layout.total)
 
 
 def dequantize_dense(coefs: QuantizedCoefs, layout: DenseOrder) -> torch.Tensor:
