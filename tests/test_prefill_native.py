@@ -1,5 +1,5 @@
-"""The prefill's C loops (`hf_varrate.codec.native`: joint rows, nearest anchors, anchor means, 4-bit
-quantization) give the PyTorch path's results bit for bit, the nearest anchors included where distances tie,
+"""The prefill's C loops (`hf_varrate.codec.native`: joint rows, nearest anchors, anchor means, 2- to 4-bit
+quantization with scales per token or per component) give the PyTorch path's results bit for bit, the nearest anchors included where distances tie,
 and a whole prompt's code is the same with or without them."""
 
 import pytest
@@ -8,7 +8,7 @@ import torch
 from hf_varrate import VarRateConfig
 from hf_varrate.codec import compress_prompt, gather_means, joint_rows, native, ops
 from hf_varrate.codec.projection import dense_order
-from hf_varrate.codec.quantization import quantize, quantize_dense
+from hf_varrate.codec.quantization import quantize, quantize_components, quantize_dense
 
 from test_codec import make_prompt, random_orthonormal
 
@@ -98,9 +98,30 @@ def test_quantize_dense_through_the_c_loops_equals_pytorch_bit_for_bit(ranks, gr
 
 
 @needs_native
+@pytest.mark.parametrize("bits", [4, 3, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [64, 16, 5])
+@pytest.mark.parametrize("ranks", [[40] * 7 + [39] * 13, [5] * 3, [33] * 40 + [30] * 30 + [17], [64] * 9])
+def test_quantize_components_through_the_c_loops_equals_pytorch_bit_for_bit(ranks, tokens, dtype, bits, monkeypatch):
+    """Scales per component over `tokens` tokens, runs of ranks that change inside a group of tokens, a
+    component no token of a group has, and a constant one (step 0): the same codes, mins and steps."""
+    layout, coefs = _dense(ranks, 8, dtype)
+    coefs[:, 2] = 0.5  # a constant component
+    loop, calls = native.quantize_component_runs, []
+    monkeypatch.setattr(native, "quantize_component_runs", lambda *args: calls.append(args) or loop(*args))
+    got = quantize_components(coefs.clone(), layout, bits, tokens)
+    assert len(calls) == 1  # through the C loops
+    with native.disabled():
+        want = quantize_components(coefs.clone(), layout, bits, tokens)
+    assert (got.count, got.bits, got.group, got.axis) == (want.count, want.bits, want.group, "component")
+    for x, y in zip(got.tensors(), want.tensors()):
+        assert x.dtype == y.dtype and torch.equal(_bits(x), _bits(y))
+
+
+@needs_native
 @pytest.mark.parametrize("overrides", [{"preset": "recommended"}, {"preset": "recommended", "projection_dtype": "float32"},
                                        {"signal": "uniform", "coef_bits": 4}, {"signal": "uniform", "coef_bits": 3},
-                                       {}])
+                                       {"preset": "recommended", "coef_scales": "component"}, {}])
 @pytest.mark.parametrize("reconstruct", [False, True])
 def test_a_prompt_codes_the_same_with_or_without_the_c_loops(overrides, reconstruct):
     """Repeated tokens make exactly equal anchor distances (as a model's first layers do): the code, ranks,
@@ -108,6 +129,7 @@ def test_a_prompt_codes_the_same_with_or_without_the_c_loops(overrides, reconstr
     keys, values, queries, cos, sin = make_prompt(seq_len=900, heads=2, dim=32)
     keys[:, :, 400:800], values[:, :, 400:800] = keys[:, :, :400], values[:, :, :400]  # repeated rows
     basis = random_orthonormal(128, 128)
+    overrides = dict(overrides)  # pytest hands every run of the parameter the same dict
     preset = overrides.pop("preset", None)
     config = (VarRateConfig.preset(preset, budget=0.3, **overrides) if preset
               else VarRateConfig(budget=0.3, r_min=4, **overrides))
@@ -139,11 +161,15 @@ def _op_samples():
                            torch.randint(4, (6, 2), generator=g), True),
         "group_ranges": (coefs, table, 8, 3 * 2 + 2 * 2),
         "quantize_runs": (coefs, table, 8, 3, torch.randn(10, generator=g), torch.rand(10, generator=g) + 0.1, 54),
+        "component_ranges": (coefs, table, 2, coefs.shape[1]),
+        "quantize_component_runs": (coefs, table, 2, coefs.shape[1], 3, torch.randn(3, coefs.shape[1], generator=g),
+                                    torch.rand(3, coefs.shape[1], generator=g) + 0.1, 54),
     }
 
 
 @needs_native
-@pytest.mark.parametrize("name", ["joint_rows", "smallest_columns", "subtract_means", "group_ranges", "quantize_runs"])
+@pytest.mark.parametrize("name", ["joint_rows", "smallest_columns", "subtract_means", "group_ranges", "quantize_runs",
+                                  "component_ranges", "quantize_component_runs"])
 def test_each_prefill_op_passes_torch_library_opcheck(name):
     """Schema (what the op mutates), fake implementation (shapes, dtypes) and dispatch, as torch checks them."""
     torch.library.opcheck(getattr(ops, name), _op_samples()[name],

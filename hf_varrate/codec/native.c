@@ -382,11 +382,21 @@ void group_ranges(const void *coefs, int bf16, int64_t row_stride, const int64_t
     }
 }
 
+/* scratch [count] values of `bits` bits (2, 3 or 4) -> codes, as pack_bits writes them: value i at bits bits * i
+   .. of the little-endian bit stream, 8 values in `bits` bytes, zero-padded to ceil(count / 8) * bits bytes. */
+static void pack_codes(const uint8_t *scratch, int64_t count, int bits, uint8_t *codes, int threads) {
+    const int64_t chunks = (count + 7) / 8;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t c = 0; c < chunks; c++) {  /* 8 values (zeros past count) -> `bits` bytes */
+        uint64_t word = 0;
+        for (int64_t k = 0; k < 8 && 8 * c + k < count; k++) word |= (uint64_t)scratch[8 * c + k] << (k * bits);
+        for (int b = 0; b < bits; b++) codes[c * bits + b] = (uint8_t)(word >> (8 * b));
+    }
+}
+
 /* `bits`-bit codes (2, 3 or 4) of the dense coefficients (as group_ranges reads them): q = clamp(round_half_even(
    (x - min) / divisor), 0, 2^bits - 1) per value, the divisor inf for a constant group, as quantize_dense computes
-   them; then packed as pack_bits writes them (value i at bits bits * i .. of the little-endian bit stream: 8 values
-   in `bits` bytes), zero-padded to ceil(count / 8) * bits bytes. mins, divisors [groups] fp32; scratch [count]
-   uint8. */
+   them; then packed (pack_codes). mins, divisors [groups] fp32; scratch [count] uint8. */
 void quantize_runs(const void *coefs, int bf16, int64_t row_stride, const int64_t *runs, int64_t n_runs,
                    int64_t group, int bits, const float *mins, const float *divisors, uint8_t *scratch, int64_t count,
                    uint8_t *codes, int threads) {
@@ -412,11 +422,67 @@ void quantize_runs(const void *coefs, int bf16, int64_t row_stride, const int64_
         offset += rows * rank;
         first_group += rows * groups;
     }
-    const int64_t chunks = (count + 7) / 8;
+    pack_codes(scratch, count, bits, codes, threads);
+}
+
+/* The rank of token `token` under runs [n_runs, 3] (first, stop, rank) that tile the tokens in order. */
+static inline int64_t rank_of(const int64_t *runs, int64_t n_runs, int64_t token) {
+    for (int64_t run = 0; run < n_runs; run++)
+        if (token < runs[3 * run + 1]) return runs[3 * run + 2];
+    return 0;
+}
+
+/* Per-component ranges of the dense coefficients [C, row_stride] (fp32, or bf16 as uint16) whose ranks are
+   constant over runs (as quantize_runs reads them): lo, hi [T, width] fp32, row t the smallest and largest value
+   of component j over tokens t * group .. t * group + group - 1 that have it (rank > j), 0 and 0 where none does
+   (hf_varrate.codec.quantization._component_ranges). */
+void component_ranges(const void *coefs, int bf16, int64_t row_stride, const int64_t *runs, int64_t n_runs,
+                      int64_t n_tokens, int64_t group, int64_t width, float *lo, float *hi, int threads) {
+    const int64_t n_groups = (n_tokens + group - 1) / group;
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t c = 0; c < chunks; c++) {  /* 8 values (zeros past count) -> `bits` bytes */
-        uint64_t word = 0;
-        for (int64_t k = 0; k < 8 && 8 * c + k < count; k++) word |= (uint64_t)scratch[8 * c + k] << (k * bits);
-        for (int b = 0; b < bits; b++) codes[c * bits + b] = (uint8_t)(word >> (8 * b));
+    for (int64_t t = 0; t < n_groups; t++) {
+        float *low = lo + t * width, *high = hi + t * width;
+        int64_t seen = 0;  /* components some token of the group has so far */
+        const int64_t stop = (t + 1) * group < n_tokens ? (t + 1) * group : n_tokens;
+        for (int64_t token = t * group; token < stop; token++) {
+            const int64_t rank = rank_of(runs, n_runs, token), base = token * row_stride;
+            for (int64_t j = 0; j < rank; j++) {
+                const float value = coefficient(coefs, bf16, base + j);
+                if (j >= seen) {
+                    low[j] = high[j] = value;
+                } else {
+                    low[j] = value < low[j] ? value : low[j];
+                    high[j] = value > high[j] ? value : high[j];
+                }
+            }
+            seen = rank > seen ? rank : seen;
+        }
+        for (int64_t j = seen; j < width; j++) low[j] = high[j] = 0.0f;
     }
+}
+
+/* `bits`-bit codes (2, 3 or 4) of the same coefficients with one (min, divisor) per component and group of
+   tokens (mins, divisors [T, width] fp32, as component_ranges lays them out): q = clamp(round_half_even((x - min)
+   / divisor), 0, 2^bits - 1) for each token's first rank values, token after token, then packed as quantize_runs
+   packs them (hf_varrate.codec.quantization.quantize_components). scratch [count] uint8. */
+void quantize_component_runs(const void *coefs, int bf16, int64_t row_stride, const int64_t *runs, int64_t n_runs,
+                             int64_t group, int64_t width, int bits, const float *mins, const float *divisors,
+                             uint8_t *scratch, int64_t count, uint8_t *codes, int threads) {
+    const float top = (float)((1 << bits) - 1);
+    int64_t offset = 0;
+    for (int64_t run = 0; run < n_runs; run++) {
+        const int64_t first = runs[3 * run], rows = runs[3 * run + 1] - first, rank = runs[3 * run + 2];
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t row = 0; row < rows; row++) {
+            const int64_t token = first + row, base = token * row_stride, at = token / group * width;
+            uint8_t *q = scratch + offset + row * rank;
+            for (int64_t j = 0; j < rank; j++) {
+                float value = __builtin_nearbyintf((coefficient(coefs, bf16, base + j) - mins[at + j]) / divisors[at + j]);
+                value = value > 0.0f ? value : 0.0f;
+                q[j] = (uint8_t)(value < top ? value : top);
+            }
+        }
+        offset += rows * rank;
+    }
+    pack_codes(scratch, count, bits, codes, threads);
 }

@@ -30,7 +30,8 @@ from . import ops
 from .native_build import ENV_SWITCH, library
 
 __all__ = ["ENV_SWITCH", "add_anchor_shares", "anchor_keys", "available", "coded_key_scores", "dequantize_runs",
-           "disabled", "group_ranges", "joint_rows", "quantize_runs", "smallest_columns", "subtract_means"]
+           "component_ranges", "disabled", "group_ranges", "joint_rows", "quantize_component_runs", "quantize_runs",
+           "smallest_columns", "subtract_means"]
 
 _off = False  # set by `disabled()`
 
@@ -181,6 +182,28 @@ def quantize_runs(coefs: torch.Tensor, runs: list[tuple[int, int, int]], group: 
     count = sum((stop - first) * rank for first, stop, rank in runs)
     return _run(ops.quantize_runs, ops.quantize_runs_loop, coefs, _run_table(runs), group, bits, mins, divisors,
                 count)
+
+
+def component_ranges(coefs: torch.Tensor, runs: list[tuple[int, int, int]] | None, group: int,
+                     width: int) -> list[torch.Tensor] | None:
+    """Each (group of `group` tokens, component)'s [lo, hi] (fp32 [T, width]) of dense coefficients [C, W] fp32 or
+    bf16 on CPU whose ranks are constant over `runs`, over the tokens that have the component (0 and 0 where none
+    does), as `quantization.quantize_components` ranges them. None where it does not apply."""
+    if (runs is None or coefs.device.type != "cpu" or coefs.dtype not in (torch.float32, torch.bfloat16)
+            or coefs.dim() != 2 or not 0 < width <= coefs.shape[1] or not available()
+            or not _runs_fit(runs, coefs.shape) or any(rank > width for _, _, rank in runs)):
+        return None
+    return _run(ops.component_ranges, ops.component_ranges_loop, coefs, _run_table(runs), group, width)
+
+
+def quantize_component_runs(coefs: torch.Tensor, runs: list[tuple[int, int, int]], group: int, width: int, bits: int,
+                            mins: torch.Tensor, divisors: torch.Tensor) -> torch.Tensor:
+    """The packed stream of `bits`-bit codes (2, 3 or 4) of `coefs` (as `component_ranges` takes them), given each
+    (group of tokens, component)'s min and divisor (fp32 [T, width]; inf where constant): what
+    `quantization.quantize_components` packs, bit for bit. Call only where `component_ranges` applied."""
+    count = sum((stop - first) * rank for first, stop, rank in runs)
+    return _run(ops.quantize_component_runs, ops.quantize_component_runs_loop, coefs, _run_table(runs), group, width,
+                bits, mins.contiguous(), divisors.contiguous(), count)
 
 
 def _runs_fit(runs, shape) -> bool:

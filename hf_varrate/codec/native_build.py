@@ -39,6 +39,8 @@ _SIGNATURES = {
     "subtract_means": [_P, _I, _I, _P, _P, _I, _P, ctypes.c_int],
     "group_ranges": [_P, ctypes.c_int, _I, _P, _I, _I, _P, _P, ctypes.c_int],
     "quantize_runs": [_P, ctypes.c_int, _I, _P, _I, _I, ctypes.c_int, _P, _P, _P, _I, _P, ctypes.c_int],
+    "component_ranges": [_P, ctypes.c_int, _I, _P, _I, _I, _I, _I, _P, _P, ctypes.c_int],
+    "quantize_component_runs": [_P, ctypes.c_int, _I, _P, _I, _I, _I, ctypes.c_int, _P, _P, _P, _I, _P, ctypes.c_int],
 }
 
 

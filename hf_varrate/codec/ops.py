@@ -257,5 +257,49 @@ def _(coefs, runs, group, bits, mins, divisors, count):
     return coefs.new_empty(-(-count // 8) * bits, dtype=torch.uint8)
 
 
+def component_ranges_loop(coefs: torch.Tensor, runs: torch.Tensor, group: int, width: int) -> list[torch.Tensor]:
+    """Dense coefficients [C, W] fp32 or bf16, runs int64 [n, 3] -> [lo, hi], fp32 [ceil(C / group), width]: each
+    component's smallest and largest value over each `group` tokens that have it (`native.quantize_components`)."""
+    coefs, runs = coefs.contiguous(), runs.contiguous()
+    tokens = coefs.shape[0]
+    lo, hi = torch.empty(-(-tokens // group), width), torch.empty(-(-tokens // group), width)
+    _loops().component_ranges(_ptr(coefs), int(coefs.dtype == torch.bfloat16), coefs.shape[1], _ptr(runs),
+                              runs.shape[0], tokens, group, width, _ptr(lo), _ptr(hi), torch.get_num_threads())
+    return [lo, hi]
+
+
+component_ranges = torch.library.custom_op(f"{_NAMESPACE}::component_ranges", component_ranges_loop, mutates_args=(),
+                                           device_types="cpu")
+
+
+@component_ranges.register_fake
+def _(coefs, runs, group, width):
+    shape = (-(-coefs.shape[0] // group), width)
+    return [coefs.new_empty(shape, dtype=torch.float32), coefs.new_empty(shape, dtype=torch.float32)]
+
+
+def quantize_component_runs_loop(coefs: torch.Tensor, runs: torch.Tensor, group: int, width: int, bits: int,
+                                 mins: torch.Tensor, divisors: torch.Tensor, count: int) -> torch.Tensor:
+    """Dense coefficients [C, W] (as `component_ranges_loop`), a min and divisor per (group of tokens, component)
+    fp32 [T, width] -> the packed `bits`-bit stream (2, 3 or 4) uint8 [ceil(count / 8) * bits]."""
+    if bits not in (2, 3, 4):
+        raise ValueError(f"quantize_component_runs: bits must be 2, 3 or 4, got {bits}")
+    coefs, runs, mins, divisors = coefs.contiguous(), runs.contiguous(), mins.contiguous(), divisors.contiguous()
+    scratch, codes = torch.empty(count, dtype=torch.uint8), torch.empty(-(-count // 8) * bits, dtype=torch.uint8)
+    _loops().quantize_component_runs(_ptr(coefs), int(coefs.dtype == torch.bfloat16), coefs.shape[1], _ptr(runs),
+                                     runs.shape[0], group, width, bits, _ptr(mins), _ptr(divisors), _ptr(scratch),
+                                     count, _ptr(codes), torch.get_num_threads())
+    return codes
+
+
+quantize_component_runs = torch.library.custom_op(f"{_NAMESPACE}::quantize_component_runs",
+                                                  quantize_component_runs_loop, mutates_args=(), device_types="cpu")
+
+
+@quantize_component_runs.register_fake
+def _(coefs, runs, group, width, bits, mins, divisors, count):
+    return coefs.new_empty(-(-count // 8) * bits, dtype=torch.uint8)
+
+
 def _dim_contiguous(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.stride(-1) == 1 else tensor.contiguous()

@@ -197,13 +197,8 @@ def quantize_dense(coefs: torch.Tensor, layout: DenseOrder, bits: int) -> Quanti
     groups = layout.groups  # [C, K]
     values = layout.fill_padding_(coefs.float()).view(rows, -1, group)  # padding takes a value of its group
     lo, hi = values.amin(dim=2)[groups], values.amax(dim=2)[groups]
-    levels = 2**bits - 1
-    dtype = scale_dtype(lo, hi)
-    mins = _round_down(lo, dtype)
-    steps = _round_up((hi - mins.float()) / levels, dtype)
-    # a zero step (a constant group) divides by inf instead, which gives the q = 0 `quantize` sets there
-    divisors = steps.float().masked_fill(steps == 0, float("inf"))
-    q = values.sub_(_grid(groups, mins)).div_(_grid(groups, divisors)).round_().clamp_(0, levels)
+    mins, steps, divisors = _scales(lo, hi, bits)
+    q = values.sub_(_grid(groups, mins)).div_(_grid(groups, divisors)).round_().clamp_(0, 2**bits - 1)
     q = layout.to_stream(q.to(torch.uint8).view(rows, -1))
     return QuantizedCoefs(pack_bits(q, bits), mins, steps, bits, group, q.numel())
 
@@ -215,13 +210,19 @@ def _quantize_runs(coefs: torch.Tensor, layout: DenseOrder, bits: int) -> Quanti
     ranges = native.group_ranges(coefs, layout.runs, layout.group)
     if ranges is None:
         return None
-    lo, hi = ranges
+    mins, steps, divisors = _scales(*ranges, bits)
+    codes = native.quantize_runs(coefs, layout.runs, layout.group, bits, mins.float(), divisors)
+    return QuantizedCoefs(codes, mins, steps, bits, layout.group, layout.total)
+
+
+def _scales(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each group's (min, step) in the scales' dtype from its range fp32 (min rounded down, step up, so every value
+    has a code within half a step), and the fp32 divisor its codes are computed with: the step, or inf where it
+    is 0 (a constant group), which gives the q = 0 `quantize` sets there."""
     dtype = scale_dtype(lo, hi)
     mins = _round_down(lo, dtype)
     steps = _round_up((hi - mins.float()) / (2**bits - 1), dtype)
-    divisors = steps.float().masked_fill(steps == 0, float("inf"))
-    codes = native.quantize_runs(coefs, layout.runs, layout.group, bits, mins.float(), divisors)
-    return QuantizedCoefs(codes, mins, steps, bits, layout.group, layout.total)
+    return mins, steps, steps.float().masked_fill(steps == 0, float("inf"))
 
 
 def dequantize_dense(coefs: QuantizedCoefs, layout: DenseOrder) -> torch.Tensor:
@@ -287,17 +288,18 @@ def quantize_components(coefs: torch.Tensor, layout: DenseOrder, bits: int,
     (past the smallest rank: one, for uniform ranks) are masked; the others are ranged as they are."""
     if bits not in BITS:
         raise ValueError(f"coef_bits must be one of {list(BITS)} or None, got {bits!r}")
+    width = coefs.shape[1]
+    ranges = native.component_ranges(coefs, layout.runs, group, width) if bits < 8 else None
+    if ranges is not None:  # ranks constant over runs, on CPU: `native.c`'s loops, the same bits in two passes
+        mins, steps, divisors = _scales(*ranges, bits)
+        codes = native.quantize_component_runs(coefs, layout.runs, group, width, bits, mins.float(), divisors)
+        return QuantizedCoefs(codes, mins.reshape(-1), steps.reshape(-1), bits, group, layout.total, "component")
     values = coefs.float()
     blocks = _token_blocks(values, group)
-    lo, hi = _component_ranges(blocks, layout, group)
-    levels = 2**bits - 1
-    dtype = scale_dtype(lo, hi)
-    mins = _round_down(lo, dtype)
-    steps = _round_up((hi - mins.float()) / levels, dtype)
-    divisors = steps.float().masked_fill(steps == 0, float("inf"))  # a constant group: q = 0, as `quantize`
+    mins, steps, divisors = _scales(*_component_ranges(blocks, layout, group), bits)
     for block, groups in blocks:
         block.sub_(mins.float()[groups, None]).div_(divisors[groups, None])
-    stream = layout.to_stream(values.round_().clamp_(0, levels).to(torch.uint8))
+    stream = layout.to_stream(values.round_().clamp_(0, 2**bits - 1).to(torch.uint8))
     return QuantizedCoefs(pack_bits(stream, bits), mins.reshape(-1), steps.reshape(-1), bits, group, stream.numel(),
                           "component")
 
