@@ -190,3 +190,11 @@ def test_the_prefill_loops_give_the_same_bits_on_any_number_of_threads():
     for code in codes[1:]:
         assert torch.equal(code.neighbours, codes[0].neighbours)
         assert all(torch.equal(x, y) for x, y in zip(code.coefs.tensors(), codes[0].coefs.tensors()))
+
+
+@needs_native
+def test_the_component_quantizer_refuses_a_scale_grid_of_the_wrong_size():
+    layout, coefs = _dense([12] * 5, 8, torch.float32)
+    table = torch.tensor(layout.runs)
+    with pytest.raises(ValueError, match=r"need 48 values \(a \[T, width\] grid\), got 40 and 48"):
+        ops.quantize_component_runs_loop(coefs, table, 2, coefs.shape[1], 3, torch.zeros(40), torch.ones(48), 60)

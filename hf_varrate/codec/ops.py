@@ -259,7 +259,7 @@ def _(coefs, runs, group, bits, mins, divisors, count):
 
 def component_ranges_loop(coefs: torch.Tensor, runs: torch.Tensor, group: int, width: int) -> list[torch.Tensor]:
     """Dense coefficients [C, W] fp32 or bf16, runs int64 [n, 3] -> [lo, hi], fp32 [ceil(C / group), width]: each
-    component's smallest and largest value over each `group` tokens that have it (`native.quantize_components`)."""
+    component's smallest and largest value over each `group` tokens that have it (`native.component_ranges`)."""
     coefs, runs = coefs.contiguous(), runs.contiguous()
     tokens = coefs.shape[0]
     lo, hi = torch.empty(-(-tokens // group), width), torch.empty(-(-tokens // group), width)
@@ -284,6 +284,10 @@ def quantize_component_runs_loop(coefs: torch.Tensor, runs: torch.Tensor, group:
     fp32 [T, width] -> the packed `bits`-bit stream (2, 3 or 4) uint8 [ceil(count / 8) * bits]."""
     if bits not in (2, 3, 4):
         raise ValueError(f"quantize_component_runs: bits must be 2, 3 or 4, got {bits}")
+    grid = -(-coefs.shape[0] // group) * width
+    if mins.numel() != grid or divisors.numel() != grid:
+        raise ValueError(f"quantize_component_runs: mins and divisors need {grid} values (a [T, width] grid), got "
+                         f"{mins.numel()} and {divisors.numel()}")
     coefs, runs, mins, divisors = coefs.contiguous(), runs.contiguous(), mins.contiguous(), divisors.contiguous()
     scratch, codes = torch.empty(count, dtype=torch.uint8), torch.empty(-(-count // 8) * bits, dtype=torch.uint8)
     _loops().quantize_component_runs(_ptr(coefs), int(coefs.dtype == torch.bfloat16), coefs.shape[1], _ptr(runs),
