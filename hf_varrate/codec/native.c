@@ -27,6 +27,16 @@ static inline float from_bf16(uint16_t half) {
     return value;
 }
 
+/* Value i of a packed stream of `bits`-bit codes (2, 3 or 8; see unpack_codes), from the one or two bytes its bits
+   lie in: no byte past them is read. */
+static inline uint8_t code_at(const uint8_t *codes, int bits, int64_t i) {
+    const int64_t bit = i * bits;
+    const unsigned shift = (unsigned)(bit & 7);
+    unsigned word = codes[bit >> 3];
+    if (shift + (unsigned)bits > 8u) word |= (unsigned)codes[(bit >> 3) + 1] << 8;
+    return (uint8_t)((word >> shift) & ((1u << bits) - 1u));
+}
+
 /* Values start .. start + count - 1 of a packed stream of `bits`-bit codes (2, 3, 4 or 8) into q: value i
    sits at bits bits * i .. bits * i + bits - 1 of the little-endian bit stream (pack_bits: for 4 bits, value
    2i in byte i's low nibble, 2i + 1 in its high one). Reads no byte past the last value's. */
@@ -43,26 +53,16 @@ static inline void unpack_codes(const uint8_t *codes, int bits, int64_t start, i
     }
     const unsigned mask = (1u << bits) - 1u;
     int64_t j = 0;
-    for (; j < count && (start + j) % 8; j++) {  /* up to the next 8 values, which start on a byte */
-        const int64_t bit = (start + j) * bits;
-        const unsigned shift = (unsigned)(bit & 7);
-        unsigned word = codes[bit >> 3];
-        if (shift + (unsigned)bits > 8u) word |= (unsigned)codes[(bit >> 3) + 1] << 8;
-        q[j] = (uint8_t)((word >> shift) & mask);
-    }
+    for (; j < count && (start + j) % 8; j++)  /* up to the next 8 values, which start on a byte */
+        q[j] = code_at(codes, bits, start + j);
     for (; j + 8 <= count; j += 8) {  /* 8 values in `bits` whole bytes */
         const uint8_t *bytes = codes + (start + j) / 8 * bits;
         uint64_t word = 0;
         for (int b = 0; b < bits; b++) word |= (uint64_t)bytes[b] << (8 * b);
         for (int k = 0; k < 8; k++) q[j + k] = (uint8_t)((word >> (k * bits)) & mask);
     }
-    for (; j < count; j++) {  /* the last few: their bytes end at or before the last value's */
-        const int64_t bit = (start + j) * bits;
-        const unsigned shift = (unsigned)(bit & 7);
-        unsigned word = codes[bit >> 3];
-        if (shift + (unsigned)bits > 8u) word |= (unsigned)codes[(bit >> 3) + 1] << 8;
-        q[j] = (uint8_t)((word >> shift) & mask);
-    }
+    for (; j < count; j++)  /* the last few */
+        q[j] = code_at(codes, bits, start + j);
 }
 
 /* out[at + j] = q[j] * step[j * stride] + min[j * stride] for j < n (fp32, or bf16 as uint16 when bf16): stride 0
@@ -382,6 +382,14 @@ void group_ranges(const void *coefs, int bf16, int64_t row_stride, const int64_t
     }
 }
 
+/* A value's code: clamp(round_half_even((x - min) / divisor), 0, top), as quantize_dense computes it (a constant
+   group's divisor is inf, which gives 0). */
+static inline uint8_t code_of(float x, float min, float divisor, float top) {
+    float value = __builtin_nearbyintf((x - min) / divisor);
+    value = value > 0.0f ? value : 0.0f;
+    return (uint8_t)(value < top ? value : top);
+}
+
 /* scratch [count] values of `bits` bits (2, 3 or 4) -> codes, as pack_bits writes them: value i at bits bits * i
    .. of the little-endian bit stream, 8 values in `bits` bytes, zero-padded to ceil(count / 8) * bits bytes. */
 static void pack_codes(const uint8_t *scratch, int64_t count, int bits, uint8_t *codes, int threads) {
@@ -412,11 +420,7 @@ void quantize_runs(const void *coefs, int bf16, int64_t row_stride, const int64_
             for (int64_t g = 0; g < groups; g++) {
                 const int64_t j0 = g * group, j1 = j0 + group < rank ? j0 + group : rank;
                 const float min = mins[first_group + row * groups + g], div = divisors[first_group + row * groups + g];
-                for (int64_t j = j0; j < j1; j++) {
-                    float value = __builtin_nearbyintf((coefficient(coefs, bf16, base + j) - min) / div);
-                    value = value > 0.0f ? value : 0.0f;
-                    q[j] = (uint8_t)(value < top ? value : top);
-                }
+                for (int64_t j = j0; j < j1; j++) q[j] = code_of(coefficient(coefs, bf16, base + j), min, div, top);
             }
         }
         offset += rows * rank;
@@ -476,11 +480,8 @@ void quantize_component_runs(const void *coefs, int bf16, int64_t row_stride, co
         for (int64_t row = 0; row < rows; row++) {
             const int64_t token = first + row, base = token * row_stride, at = token / group * width;
             uint8_t *q = scratch + offset + row * rank;
-            for (int64_t j = 0; j < rank; j++) {
-                float value = __builtin_nearbyintf((coefficient(coefs, bf16, base + j) - mins[at + j]) / divisors[at + j]);
-                value = value > 0.0f ? value : 0.0f;
-                q[j] = (uint8_t)(value < top ? value : top);
-            }
+            for (int64_t j = 0; j < rank; j++)
+                q[j] = code_of(coefficient(coefs, bf16, base + j), mins[at + j], divisors[at + j], top);
         }
         offset += rows * rank;
     }
