@@ -70,7 +70,7 @@ def dequantize_runs(coefs, runs: list[tuple[int, int, int]] | None, dtype: torch
             or coefs.axis not in ("token", "component")
             or dtype not in (torch.float32, torch.bfloat16) or not available()):
         return None
-    values = sum((stop - first) * rank for first, stop, rank in runs)
+    values = _run_values(runs)
     scales = min(coefs.steps.numel(), coefs.mins.numel())
     if coefs.axis == "component":  # a [T, width] grid: row t // group of token t (runs hold tokens 0..C-1)
         tokens = -(-max((stop for _, stop, _ in runs), default=0) // coefs.group)
@@ -179,7 +179,7 @@ def quantize_runs(coefs: torch.Tensor, runs: list[tuple[int, int, int]], group: 
     """The packed stream of `bits`-bit codes (2, 3 or 4) of `coefs` (as `group_ranges` takes them), given each
     group's min and divisor (fp32 [G]; inf where a group is constant): what `quantization.quantize_dense` packs,
     bit for bit. Call only where `group_ranges` applied."""
-    count = sum((stop - first) * rank for first, stop, rank in runs)
+    count = _run_values(runs)
     return _run(ops.quantize_runs, ops.quantize_runs_loop, coefs, _run_table(runs), group, bits, mins, divisors,
                 count)
 
@@ -201,7 +201,7 @@ def quantize_component_runs(coefs: torch.Tensor, runs: list[tuple[int, int, int]
     """The packed stream of `bits`-bit codes (2, 3 or 4) of `coefs` (as `component_ranges` takes them), given each
     (group of tokens, component)'s min and divisor (fp32 [T, width]; inf where constant): what
     `quantization.quantize_components` packs, bit for bit. Call only where `component_ranges` applied."""
-    count = sum((stop - first) * rank for first, stop, rank in runs)
+    count = _run_values(runs)
     return _run(ops.quantize_component_runs, ops.quantize_component_runs_loop, coefs, _run_table(runs), group, width,
                 bits, mins.contiguous(), divisors.contiguous(), count)
 
@@ -214,6 +214,11 @@ def _runs_fit(runs, shape) -> bool:
             return False
         at = stop
     return at == shape[0]
+
+
+def _run_values(runs) -> int:
+    """How many coefficients runs [(first, stop, rank)] hold."""
+    return sum((stop - first) * rank for first, stop, rank in runs)
 
 
 def _run_table(runs) -> torch.Tensor:
