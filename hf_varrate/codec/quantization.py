@@ -282,7 +282,7 @@ def _grid(groups: torch.Tensor, per_group: torch.Tensor) -> torch.Tensor:
 
 def quantize_components(coefs: torch.Tensor, layout: DenseOrder, bits: int,
                         group: int = COMPONENT_TOKENS) -> QuantizedCoefs:
-    """Dense coefficients [C, W] (`layout`'s rows, in coded order; fp32 ones are overwritten) quantized per
+    """Dense coefficients [C, W] (`layout`'s rows, in coded order; fp32 ones may be overwritten) quantized per
     component (axis "component"): each component's values over `group` consecutive tokens share a min and step;
     entries past a row's rank are left out of the ranges and of the stream. Only the columns some token lacks
     (past the smallest rank: one, for uniform ranks) are masked; the others are ranged as they are."""
