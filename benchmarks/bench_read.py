@@ -25,7 +25,7 @@ from hf_varrate import VarRateCache
 from hf_varrate.codec import attend, native
 from hf_varrate.codec.pipeline import code_layout, dense_coef_values
 from hf_varrate.codec.projection import DenseOrder, matmul_dtype
-from hf_varrate.codec.quantization import QuantizedCoefs
+from hf_varrate.codec.codes import QuantizedCoefs
 from hf_varrate.config import PRESETS
 from hf_varrate import VarRateLayer
 

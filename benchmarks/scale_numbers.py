@@ -25,7 +25,7 @@ from hf_varrate.codec.anchors import anchor_positions, exact_mask
 from hf_varrate.codec.packing import meta_bytes_per_token
 from hf_varrate.codec.budget import coefficient_budget
 from hf_varrate.codec.pipeline import effective_stride, rank_floor
-from hf_varrate.codec.quantization import SCALE_DTYPE, group_counts, packed_bytes
+from hf_varrate.codec.codes import SCALE_DTYPE, group_counts, packed_bytes
 
 KV_BYTES = 2  # fp16 / bf16 K and V
 VARIANTS = {  # name -> VarRateConfig fields beyond the budget

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from .codec.quantization import AXES, BITS, packed_bytes, scale_count
+from .codec.codes import AXES, BITS, packed_bytes, scale_count
 from .errors import CacheFileError
 
 TENSORS_NAME = "cache.safetensors"

@@ -8,9 +8,9 @@ import torch
 from hf_varrate import VarRateConfig
 from hf_varrate.codec import compress_prompt, decode_prompt, encode_prompt
 from hf_varrate.codec.projection import dense_order
-from hf_varrate.codec.quantization import (
-    COMPONENT_TOKENS, dequantize, dequantize_dense, dequantize_runs, error_bound, quantize_components, quantize_dense,
-)
+from hf_varrate.codec.codes import COMPONENT_TOKENS
+from hf_varrate.codec.components import quantize_components
+from hf_varrate.codec.quantization import dequantize, dequantize_dense, dequantize_runs, error_bound, quantize_dense
 
 from test_codec import make_prompt, random_orthonormal
 from test_quantization import realistic_prompt

@@ -12,7 +12,9 @@ import torch
 import hf_varrate
 from hf_varrate.codec import attend, native, native_build, ops
 from hf_varrate.codec.projection import DenseOrder
-from hf_varrate.codec.quantization import dequantize_runs, quantize, quantize_components, unpack_bits
+from hf_varrate.codec.codes import unpack_bits
+from hf_varrate.codec.components import quantize_components
+from hf_varrate.codec.quantization import dequantize_runs, quantize
 
 from test_attention import attention, compact  # noqa: F401 (fixture)
 from test_cache import prompt

@@ -8,7 +8,8 @@ import torch
 from hf_varrate import VarRateConfig
 from hf_varrate.codec import compress_prompt, gather_means, joint_rows, native, ops
 from hf_varrate.codec.projection import dense_order
-from hf_varrate.codec.quantization import quantize, quantize_components, quantize_dense
+from hf_varrate.codec.components import quantize_components
+from hf_varrate.codec.quantization import quantize, quantize_dense
 
 from test_codec import make_prompt, random_orthonormal
 

@@ -8,8 +8,9 @@ import torch
 from hf_varrate import VarRateConfig
 from hf_varrate.codec import compress_prompt, decode_prompt, encode_prompt
 from hf_varrate.codec.projection import dense_order, rank_mask
+from hf_varrate.codec.codes import pack_bits, unpack_bits
 from hf_varrate.codec.quantization import (
-    dequantize, dequantize_dense, dequantize_runs, error_bound, pack_bits, quantize, quantize_dense, unpack_bits,
+    dequantize, dequantize_dense, dequantize_runs, error_bound, quantize, quantize_dense,
 )
 
 from test_codec import make_prompt, random_orthonormal

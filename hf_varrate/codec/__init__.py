@@ -4,11 +4,12 @@ from .allocation import topk_ranks, waterfill_ranks
 from .attend import attend_codes
 from .anchors import anchor_means, anchor_positions, exact_mask, gather_means, nearest_anchors, nearest_anchors_mm, residuals
 from .budget import coefficient_budget
+from .codes import QuantizedCoefs
 from .joint import join_kv, joint_rows, split_kv
 from .packing import PromptCode, tensor_bytes
 from .pipeline import coef_values, compress_prompt, decode_prompt, encode_prompt
 from .projection import RankOrder, decode, decode_blocks, encode, encode_blocks, matmul_dtype, pack, rank_order, unpack
-from .quantization import QuantizedCoefs, dequantize, quantize
+from .quantization import dequantize, quantize
 from .rope import rope_tables, rotate_keys, rotate_rows, sample_positions, unrotate_keys, unrotate_rows
 from ..signals import SIGNALS, Signal, SignalInputs, coded_salience, register_signal
 from .salience import attention_scale, minmax, pool_scores, snapkv_scores

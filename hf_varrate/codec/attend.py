@@ -29,7 +29,8 @@ from . import native
 from .packing import PromptCode
 from .pipeline import code_layout, coef_values, dense_coef_values
 from .projection import DenseOrder, RankOrder, padded_basis
-from .quantization import QuantizedCoefs, dequantize_runs
+from .codes import QuantizedCoefs
+from .quantization import dequantize_runs
 
 
 def attend_codes(code: PromptCode, query, exact_keys, exact_values, tail_keys, tail_values, turns, split,
@@ -46,7 +47,7 @@ def attend_codes(code: PromptCode, query, exact_keys, exact_values, tail_keys, t
     plan = code_layout(code)
     heads_q, q_len, dim = query.shape
     heads = exact_keys.shape[0]
-    rows, half = heads_q // heads * q_len, heads * dim  # query rows per KV head; the keys' half of D
+    rows = heads_q // heads * q_len  # query rows per KV head
     coded, neighbours = code.coded_pos, code.neighbours.long()
     if isinstance(plan, RankOrder):
         coded, neighbours = coded.index_select(0, plan.order), neighbours.index_select(0, plan.order)

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .quantization import SCALE_DTYPE
+from .codes import SCALE_DTYPE
 
 if TYPE_CHECKING:  # annotations only: the codec reads a config's fields, it never builds one
     from ..config import VarRateConfig

@@ -188,7 +188,7 @@ def component_ranges(coefs: torch.Tensor, runs: list[tuple[int, int, int]] | Non
                      width: int) -> list[torch.Tensor] | None:
     """Each (group of `group` tokens, component)'s [lo, hi] (fp32 [T, width]) of dense coefficients [C, W] fp32 or
     bf16 on CPU whose ranks are constant over `runs`, over the tokens that have the component (0 and 0 where none
-    does), as `quantization.quantize_components` ranges them. None where it does not apply."""
+    does), as `components.quantize_components` ranges them. None where it does not apply."""
     if (runs is None or coefs.device.type != "cpu" or coefs.dtype not in (torch.float32, torch.bfloat16)
             or coefs.dim() != 2 or not 0 < width <= coefs.shape[1] or not available()
             or not _runs_fit(runs, coefs.shape) or any(rank > width for _, _, rank in runs)):
@@ -200,7 +200,7 @@ def quantize_component_runs(coefs: torch.Tensor, runs: list[tuple[int, int, int]
                             mins: torch.Tensor, divisors: torch.Tensor) -> torch.Tensor:
     """The packed stream of `bits`-bit codes (2, 3 or 4) of `coefs` (as `component_ranges` takes them), given each
     (group of tokens, component)'s min and divisor (fp32 [T, width]; inf where constant): what
-    `quantization.quantize_components` packs, bit for bit. Call only where `component_ranges` applied."""
+    `components.quantize_components` packs, bit for bit. Call only where `component_ranges` applied."""
     count = _run_values(runs)
     return _run(ops.quantize_component_runs, ops.quantize_component_runs_loop, coefs, _run_table(runs), group, width,
                 bits, mins.contiguous(), divisors.contiguous(), count)

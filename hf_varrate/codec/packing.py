@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .anchors import anchor_positions, coded_positions, exact_positions
-from .quantization import QuantizedCoefs
+from .codes import QuantizedCoefs
 
 
 @dataclass

@@ -29,7 +29,9 @@ from .layer_budget import budget_scale
 from .packing import PromptCode, meta_bytes_per_token, smallest_uint
 from .projection import (DENSE_SLACK, DenseOrder, RankOrder, decode_blocks, decode_dense, dense_order, encode_blocks,
                          encode_dense, layout_shape, matmul_dtype, rank_order, rebuild_layout)
-from .quantization import QuantizedCoefs, dequantize, dequantize_dense, quantize, quantize_components, quantize_dense
+from .codes import QuantizedCoefs
+from .components import quantize_components
+from .quantization import dequantize, dequantize_dense, quantize, quantize_dense
 from .reference import decode_reference, encode_reference
 from .rope import rotate_heads
 from ..signals import SIGNALS, SignalInputs, coded_salience

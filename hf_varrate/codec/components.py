@@ -1,0 +1,85 @@
+"""Coefficient scales per component (`coef_scales="component"`, `axis="component"`, beyond the paper).
+
+The coded tokens are cut into groups of `COMPONENT_TOKENS` consecutive tokens, and each component has its own
+min and step in each (KIVI's layout for keys), so a small trailing component keeps its precision instead of
+taking the step of a large leading one, and the scales cost less per coefficient. The codes keep the stream's
+order; the scales are a [ceil(C / COMPONENT_TOKENS), W] grid (W: the widest rank), row-major.
+
+Shapes: dense coefficients [C, W] in coded order (`projection.DenseOrder`'s rows), packed stream [N].
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from . import native
+from .codes import COMPONENT_TOKENS, QuantizedCoefs, check_bits, pack_bits, round_scales, unpack_bits
+
+if TYPE_CHECKING:
+    from .projection import DenseOrder
+
+
+def quantize_components(coefs: torch.Tensor, layout: DenseOrder, bits: int,
+                        group: int = COMPONENT_TOKENS) -> QuantizedCoefs:
+    """Dense coefficients [C, W] (`layout`'s rows, in coded order; fp32 ones may be overwritten) quantized per
+    component (axis "component"): each component's values over `group` consecutive tokens share a min and step;
+    entries past a row's rank are left out of the ranges and of the stream. Only the columns some token lacks
+    (past the smallest rank: one, for uniform ranks) are masked; the others are ranged as they are."""
+    check_bits(bits)
+    width = coefs.shape[1]
+    ranges = native.component_ranges(coefs, layout.runs, group, width) if bits < 8 else None
+    if ranges is not None:  # ranks constant over runs, on CPU: `native.c`'s loops, the same bits in two passes
+        mins, steps, divisors = round_scales(*ranges, bits)
+        codes = native.quantize_component_runs(coefs, layout.runs, group, width, bits, mins.float(), divisors)
+        return QuantizedCoefs(codes, mins.reshape(-1), steps.reshape(-1), bits, group, layout.total, "component")
+    values = coefs.float()
+    blocks = _token_blocks(values, group)
+    mins, steps, divisors = round_scales(*_component_ranges(blocks, layout, group), bits)
+    for block, groups in blocks:
+        block.sub_(mins.float()[groups, None]).div_(divisors[groups, None])
+    stream = layout.to_stream(values.round_().clamp_(0, 2**bits - 1).to(torch.uint8))
+    return QuantizedCoefs(pack_bits(stream, bits), mins.reshape(-1), steps.reshape(-1), bits, group, stream.numel(),
+                          "component")
+
+
+def _token_blocks(x: torch.Tensor, group: int) -> list[tuple[torch.Tensor, slice]]:
+    """[C, W] as views (block, its token groups): [C // group, group, W] (the whole groups), then [1, C % group, W]."""
+    rows, width = x.shape
+    whole = rows - rows % group
+    blocks = [(x[:whole].view(whole // group, group, width), slice(0, whole // group))] if whole or not rows else []
+    return blocks + ([(x[whole:].view(1, rows - whole, width), slice(whole // group, None))] if rows > whole else [])
+
+
+def _component_ranges(blocks: list, layout: DenseOrder, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each (group of tokens, component)'s min and max [T, W] over the entries within their tokens' ranks (0 and 0
+    where no token of the group has the component); only the columns past the smallest rank are masked."""
+    full = int(layout.ranks.min()) if layout.ranks.numel() else layout.width  # the columns every token has
+    lows, highs = [], []
+    for (block, _), (mask, _) in zip(blocks, _token_blocks(layout.mask[:, full:], group)):
+        ragged, present = block[..., full:], mask.any(dim=1)
+        lo = ragged.masked_fill(~mask, float("inf")).amin(dim=1).masked_fill_(~present, 0.0)
+        hi = ragged.masked_fill(~mask, float("-inf")).amax(dim=1).masked_fill_(~present, 0.0)
+        lows.append(torch.cat((block[..., :full].amin(dim=1), lo), dim=1))
+        highs.append(torch.cat((block[..., :full].amax(dim=1), hi), dim=1))
+    return torch.cat(lows), torch.cat(highs)
+
+
+def dequantize_components(coefs: QuantizedCoefs, layout: DenseOrder) -> torch.Tensor:
+    """`quantize_components` undone: [C, W] fp32, zeros past each row's rank."""
+    q = layout.from_stream(unpack_bits(coefs.codes, coefs.bits, coefs.count), torch.float32)
+    steps, mins = (x.float().view(-1, layout.width) for x in (coefs.steps, coefs.mins))
+    for block, groups in _token_blocks(q, coefs.group):
+        block.mul_(steps[groups, None]).add_(mins[groups, None])
+    return layout.zero_padding_(q)
+
+
+def component_index(coefs: QuantizedCoefs, ranks: torch.Tensor) -> torch.Tensor:
+    """[N] long: each stream value's entry in an axis-"component" scale grid (its token's group, its component)."""
+    ranks = ranks.long()
+    token = torch.repeat_interleave(torch.arange(ranks.numel(), device=ranks.device), ranks, output_size=coefs.count)
+    starts = torch.cumsum(ranks, 0) - ranks
+    column = torch.arange(coefs.count, device=ranks.device) - starts[token]
+    width = coefs.mins.numel() // max(-(-ranks.numel() // coefs.group), 1)
+    return token // coefs.group * width + column
