@@ -9,6 +9,9 @@ harness change. The config comes from `Bases.config`: a spec without `preset:` i
 the bases' calibrated stride/window/n_anchors and the spec's fields on top; `preset: recommended` starts
 from that preset instead.
 
+`eval_query_weights: alpha` (evaluation only) codes the keys weighted by the queries' energy per dimension;
+see `query_weights`.
+
 `signal: eval_surprisal` (evaluation only, not a library signal) feeds the codec a salience the cache
 cannot see: each prompt token's surprisal -log p(token | earlier tokens) under the model, from an extra
 forward over the compressed prompt; see `surprisal`.
@@ -31,7 +34,7 @@ from hf_varrate.signals import SIGNALS, SignalInputs, register_signal
 from ..capture import clock, decoder, replay
 from .base import Compressed, Context, dynamic_from_capture
 
-NOT_CONFIG = {"kind", "bases", "impl", "preset", "layer_scales", "eval_coefs", "eval_token_group"}
+NOT_CONFIG = {"kind", "bases", "impl", "preset", "layer_scales", "eval_coefs", "eval_token_group", "eval_query_weights"}
 SURPRISAL = "eval_surprisal"  # registered (once) when a method spec names it; never by importing this module
 _surprisal: dict = {"current": None}  # the surprisal [S] of the prompt being coded, set only around its replay
 
@@ -66,6 +69,9 @@ class VarRateMethod:
             raise ValueError(f"method {name!r}: {unknown} are not VarRateConfig fields (nor kind/bases/impl); "
                              f"known fields: {sorted(known)}")
         self.impl = spec.get("impl", "cache")
+        if "eval_query_weights" in spec and spec.get("storage") != "materialized":
+            raise ValueError(f"method {name!r}: eval_query_weights needs storage: materialized (attention over the "
+                             f"codes reads the key half unscaled); add it to the spec")
         self._bases: dict[tuple[str, str], Bases] = {}  # by (model, which): one run may switch models
 
     def config_for(self, bases: Bases) -> VarRateConfig:
@@ -83,6 +89,9 @@ class VarRateMethod:
                 with open(self.spec["layer_scales"]) as f:
                     scales = {int(i): float(s) for i, s in json.load(f)["scales"].items()}
                 self._bases[key].layer_share = lambda i, config, kv_dtype=None, scales=scales: scales[i]
+            if "eval_query_weights" in self.spec:  # experimental: keys weighted by the queries' energy
+                from .query_weights import apply
+                apply(self._bases[key], ctx.model, ctx.tokenizer, float(self.spec["eval_query_weights"]))
         return self._bases[key]
 
     def compress(self, ctx: Context, default_bases: str = "shipped") -> Compressed:

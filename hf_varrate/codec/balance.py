@@ -19,14 +19,16 @@ import torch
 from .pca import principal_components
 
 
-def balanced_basis(basis: torch.Tensor, spectrum: torch.Tensor, balance: str = "rms",
-                   key_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def balanced_basis(basis: torch.Tensor, spectrum: torch.Tensor, balance: str = "rms", key_weight: float = 1.0,
+                   key_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(basis of the scaled space [R, D] fp32, scales [D] fp32, its singular values [R]) for one layer.
 
     The value half is scaled by a (balance='rms'; 1 for 'none'), divided by `key_weight`: scaling the values
     down by w codes z = [w k ; v] up to one global factor, so a weight above 1 moves error, and with it
-    bytes, from the keys to the values (anchors, basis and group-quantized codes all follow the scaling)."""
-    moment, scales = _scaled_moment(basis, spectrum, balance, key_weight)
+    bytes, from the keys to the values (anchors, basis and group-quantized codes all follow the scaling).
+    `key_scales` [D / 2] (None: 1) scales the key half per dimension the same way (evaluation experiments: the
+    decoder divides every scale out, but attention over the codes reads the key half unscaled)."""
+    moment, scales = _scaled_moment(basis, spectrum, balance, key_weight, key_scales)
     balanced, singular = principal_components(moment, basis.shape[0])
     return balanced.to(basis.device), scales.float().to(basis.device), singular.float()
 
@@ -40,8 +42,8 @@ def balanced_spectrum(basis: torch.Tensor, spectrum: torch.Tensor, balance: str 
     return eigenvalues.flip(0)[:basis.shape[0]].clamp(min=0).sqrt().float()
 
 
-def _scaled_moment(basis: torch.Tensor, spectrum: torch.Tensor, balance: str,
-                   key_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _scaled_moment(basis: torch.Tensor, spectrum: torch.Tensor, balance: str, key_weight: float,
+                   key_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(A Sigma A [D, D] fp64 on the CPU, the scales A [D] fp64) of one layer's scaled space."""
     width = basis.shape[1]
     half = width // 2
@@ -57,4 +59,6 @@ def _scaled_moment(basis: torch.Tensor, spectrum: torch.Tensor, balance: str,
     scales = torch.ones(width, dtype=torch.float64)
     factor = (key_energy / value_energy) ** 0.5 if balance == "rms" else 1.0
     scales[half:] = factor / key_weight
+    if key_scales is not None:
+        scales[:half] = key_scales.double().cpu()
     return scales[:, None] * moment * scales[None, :], scales
