@@ -159,3 +159,28 @@ def _prompt_basis_checks():
     few = coefs[:16]  # 8 rows over 16 tokens cost 16 bytes a token: more than the 10 there are
     charged, _, rows = own_basis_loss(few, config, 10.0, 64)
     assert rows == 0 and charged == pytest.approx(float(few.square().sum()))
+
+
+def test_query_weights_study_scores_exact_keys_as_no_error_and_rotates_queries_as_the_model(tiny_llama):
+    from transformers import DynamicCache
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from evaluation.capture import capture, decoder
+    from studies.query_weights import attention_errors, post_rope_queries
+
+    ids = torch.randint(2, 128, (120,), generator=torch.Generator().manual_seed(0)).tolist()
+    captured = capture(tiny_llama, ids)
+    module = decoder(tiny_llama).layers[0].self_attn
+    with torch.no_grad():
+        q = module.q_proj(captured.hidden[0]).view(1, 120, -1, module.head_dim).transpose(1, 2)
+        want, _ = apply_rotary_pos_emb(q, q, captured.cos[0], captured.sin[0])
+        torch.testing.assert_close(post_rope_queries(module, captured, 0), want[0])
+        exact = DynamicCache()
+        for i, (k, v) in enumerate(zip(captured.keys, captured.values)):
+            exact.update(k, v, i)
+        assert attention_errors(tiny_llama, captured, exact, [0, 1], 16) == (0.0, 0.0, 0.0)
+        noisy = DynamicCache()
+        for i, (k, v) in enumerate(zip(captured.keys, captured.values)):
+            noisy.update(k + 0.1 * torch.randn_like(k), v, i)
+        out, tv, keys = attention_errors(tiny_llama, captured, noisy, [0, 1], 16)
+        assert out > 0 and tv > 0 and keys > 0
