@@ -112,8 +112,8 @@ def markdown(result: dict, args, configs: list[str]) -> str:
             f"budget {args.budget}{f' (in {args.budget_dtype} bytes)' if args.budget_dtype else ''}, {device}\n\n"
             + common.table(["cache", "tok/s (median)", "vs full", "vs materialized", "spread (max-min)/median",
                             "K/V held MiB", "held vs full"], rows)
-            + f"\n\n`+codes`: under the \"varrate\" attention implementation; the others under sdpa (compact layers "
-            f"are read over their codes under both). "
+            + "\n\n`+codes`: under the \"varrate\" attention implementation; the others under sdpa (compact layers "
+            "are read over their codes under both). "
             + "".join(f"Same greedy tokens as {ref}: {same}. " for ref, same in result["same_tokens_as"].items())
             + "\n"
             f"{args.repeats} repeats x {args.new} tokens, configurations interleaved; load average "

@@ -145,7 +145,7 @@ def main(argv=None, prog: str | None = None) -> int:
     overhead = t_varrate / t_full - 1
     print(f"\n| budget | footprint | of full | held in memory ({args.storage}) | prefill (full) | prefill (VarRate) "
           f"| per answer |")
-    print(f"|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     print(f"| {args.budget} | {fp.bytes / 2**20:.2f} MiB | {fp.fraction:.1%} of {fp.full_bytes / 2**20:.2f} MiB "
           f"| {fp.held_bytes / 2**20:.2f} MiB | {t_full:.1f} s | {t_varrate:.1f} s ({overhead:+.0%}) "
           f"| {sorted(times)[len(times) // 2]:.1f} s |")
