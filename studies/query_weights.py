@@ -1,6 +1,6 @@
 """Does coding the keys weighted by the queries' energy cut attention's error at equal bytes? `python -m studies.query_weights`.
 
-The proxy behind rounds 21 and 22 (docs/accuracy_dev.md): one held-out wiki context of `--length` tokens is
+The proxy behind rounds 22 and 23 (docs/accuracy_dev.md): one held-out wiki context of `--length` tokens is
 compressed by the `recommended` preset at each budget (fp16-counted, materialized), with the key half of the
 coding space as the library weighs it (alpha 0) or weighted by the queries' energy per dimension
 (`evaluation/methods/query_weights.py`, measured on two calibration contexts), and with the key weight doubled
