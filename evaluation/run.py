@@ -117,13 +117,22 @@ def write_report(config, out: Path, config_path: str) -> None:
     plots.needle_heatmap(rows, figures)
 
 
-def write_run_info(out: Path, config_path: str, started: float, status: str) -> None:
-    """Append this session to run_info.json. Processes running disjoint stages into one output (--stages)
-    stop together, so the read-append-write holds an exclusive lock (POSIX) and replaces the file whole."""
+def code_source() -> dict:
+    """{"git": the commit, "library": where hf_varrate was imported from and its hash}: taken as a session starts,
+    since the checkout may move on while it runs (the session keeps the code it imported)."""
+    return {"git": git_commit(), "library": library_source()}
+
+
+def write_run_info(out: Path, config_path: str, started: float, status: str, source: dict | None = None) -> None:
+    """Append this session to run_info.json, with `source` (`code_source()` as the session started; None: taken
+    now). Processes running disjoint stages into one output (--stages) stop together, so the read-append-write
+    holds an exclusive lock (POSIX) and replaces the file whole."""
+    source = source if source is not None else code_source()
     session = {"command": " ".join([Path(sys.executable).name, "-m", "evaluation.run", *sys.argv[1:]]),
                "config": config_path, "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
-               "ended": time.strftime("%Y-%m-%d %H:%M:%S"), "status": status, "git": git_commit(),
-               "versions": versions(), "library": library_source(), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}"}
+               "ended": time.strftime("%Y-%m-%d %H:%M:%S"), "status": status, "git": source["git"],
+               "versions": versions(), "library": source["library"],
+               "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}"}
     path = out / "run_info.json"
     with open(out / "run_info.json.lock", "w") as lock:
         if fcntl is not None:
@@ -171,13 +180,13 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if not args.report_only:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `kill` still records the session below
-        started, status = time.time(), "interrupted"
+        started, status, source = time.time(), "interrupted", code_source()
         try:
             runner = Runner(config, out, on_progress=lambda: write_report(config, out, args.config))
             runner.run(args.max_examples, stages=stages)
             status = "complete" if args.max_examples is None else f"stopped after --max-examples {args.max_examples}"
         finally:
-            write_run_info(out, args.config, started, status)
+            write_run_info(out, args.config, started, status, source)
     write_report(config, out, args.config)
     return 0
 

@@ -182,6 +182,19 @@ def test_processes_stopping_together_each_keep_their_run_info_entry(tmp_path):
     assert sorted(s["status"] for s in sessions) == sorted(f"p{p}-{i}" for p in range(4) for i in range(3))
 
 
+def test_a_session_records_the_code_it_started_with(tmp_path, monkeypatch):
+    """The checkout may move on while a session runs: its record names the commit and library it imported."""
+    from evaluation import run
+
+    started = run.code_source()
+    monkeypatch.setattr(run, "git_commit", lambda: "moved-on")
+    run.write_run_info(tmp_path, "c.yaml", 0.0, "complete", started)
+    run.write_run_info(tmp_path, "c.yaml", 0.0, "complete")
+    first, second = json.loads((tmp_path / "run_info.json").read_text())["sessions"]
+    assert first["git"] == started["git"] != "moved-on" and first["library"] == started["library"]
+    assert second["git"] == "moved-on"  # no source given: taken when written
+
+
 # VarRatePress import contract -----------------------------------------------------------------------
 def test_press_module_imports_without_kvpress_and_names_the_install(monkeypatch):
     import sys
