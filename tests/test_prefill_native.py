@@ -120,6 +120,37 @@ def test_quantize_components_through_the_c_loops_equals_pytorch_bit_for_bit(rank
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_range_loops_propagate_nan_as_amin_and_amax_do(dtype):
+    """A NaN anywhere in a group (not only first) makes its range NaN, as torch's amin / amax do; the other groups
+    keep theirs. (The cache refuses non-finite K/V before coding; this is the ops' own contract.)"""
+    ranks = [12] * 3 + [9] * 2
+    layout, coefs = _dense(ranks, 8, dtype)
+    coefs[3, 5] = coefs[2, 1] = float("nan")  # not a group's first value: row 3, group 0; token 2 of its pair
+    values = coefs.float()
+    lo, hi = native.group_ranges(coefs, layout.runs, 8)
+    want_lo, want_hi = [], []
+    for row, rank in enumerate(ranks):
+        for j0 in range(0, rank, 8):
+            group = values[row, j0 : min(j0 + 8, rank)]
+            want_lo.append(group.amin())
+            want_hi.append(group.amax())
+    torch.testing.assert_close(lo, torch.stack(want_lo), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(hi, torch.stack(want_hi), rtol=0, atol=0, equal_nan=True)
+    assert lo.isnan().sum() == 2 and hi.isnan().sum() == 2
+    width = max(ranks)
+    lo, hi = native.component_ranges(coefs, layout.runs, 2, width)
+    for t in range(lo.shape[0]):
+        for j in range(width):
+            have = [row for row in range(2 * t, min(2 * t + 2, len(ranks))) if ranks[row] > j]
+            column = values[have, j] if have else torch.zeros(1)
+            want = (column.amin(), column.amax()) if have else (column[0], column[0])
+            torch.testing.assert_close(torch.stack([lo[t, j], hi[t, j]]), torch.stack(want), rtol=0, atol=0,
+                                       equal_nan=True)
+    assert lo.isnan().sum() == 2
+
+
+@needs_native
 @pytest.mark.parametrize("overrides", [{"preset": "recommended"}, {"preset": "recommended", "projection_dtype": "float32"},
                                        {"signal": "uniform", "coef_bits": 4}, {"signal": "uniform", "coef_bits": 3},
                                        {"preset": "recommended", "coef_scales": "component"}, {}])

@@ -6,6 +6,7 @@
    `dequantize_runs` equals the eager dequantization bit for bit. With -fopenmp (where the compiler has it)
    each loop runs on `threads` threads, split over tokens: the same values whatever the count. */
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -369,13 +370,15 @@ void group_ranges(const void *coefs, int bf16, int64_t row_stride, const int64_t
             for (int64_t g = 0; g < groups; g++) {
                 const int64_t j0 = g * group, j1 = j0 + group < rank ? j0 + group : rank;
                 float low = coefficient(coefs, bf16, base + j0), high = low;
+                int nan = low != low;  /* a NaN anywhere makes the range NaN, as torch's amin / amax give it */
                 for (int64_t j = j0 + 1; j < j1; j++) {
                     const float value = coefficient(coefs, bf16, base + j);
                     low = value < low ? value : low;
                     high = value > high ? value : high;
+                    nan |= value != value;
                 }
-                lo[first_group + row * groups + g] = low;
-                hi[first_group + row * groups + g] = high;
+                lo[first_group + row * groups + g] = nan ? NAN : low;
+                hi[first_group + row * groups + g] = nan ? NAN : high;
             }
         }
         first_group += rows * groups;
@@ -439,7 +442,7 @@ static inline int64_t rank_of(const int64_t *runs, int64_t n_runs, int64_t token
 /* Per-component ranges of the dense coefficients [C, row_stride] (fp32, or bf16 as uint16) whose ranks are
    constant over runs (as quantize_runs reads them): lo, hi [T, width] fp32, row t the smallest and largest value
    of component j over tokens t * group .. t * group + group - 1 that have it (rank > j), 0 and 0 where none does
-   (hf_varrate.codec.quantization._component_ranges). */
+   (hf_varrate.codec.components._component_ranges). */
 void component_ranges(const void *coefs, int bf16, int64_t row_stride, const int64_t *runs, int64_t n_runs,
                       int64_t n_tokens, int64_t group, int64_t width, float *lo, float *hi, int threads) {
     const int64_t n_groups = (n_tokens + group - 1) / group;
@@ -448,6 +451,7 @@ void component_ranges(const void *coefs, int bf16, int64_t row_stride, const int
         float *low = lo + t * width, *high = hi + t * width;
         int64_t seen = 0;  /* components some token of the group has so far */
         const int64_t stop = (t + 1) * group < n_tokens ? (t + 1) * group : n_tokens;
+        int nan = 0;
         for (int64_t token = t * group; token < stop; token++) {
             const int64_t rank = rank_of(runs, n_runs, token), base = token * row_stride;
             for (int64_t j = 0; j < rank; j++) {
@@ -458,17 +462,25 @@ void component_ranges(const void *coefs, int bf16, int64_t row_stride, const int
                     low[j] = value < low[j] ? value : low[j];
                     high[j] = value > high[j] ? value : high[j];
                 }
+                nan |= value != value;
             }
             seen = rank > seen ? rank : seen;
         }
         for (int64_t j = seen; j < width; j++) low[j] = high[j] = 0.0f;
+        for (int64_t token = t * group; nan && token < stop; token++) {  /* a NaN makes its range NaN, as in torch */
+            const int64_t rank = rank_of(runs, n_runs, token), base = token * row_stride;
+            for (int64_t j = 0; j < rank; j++) {
+                const float value = coefficient(coefs, bf16, base + j);
+                if (value != value) low[j] = high[j] = NAN;
+            }
+        }
     }
 }
 
 /* `bits`-bit codes (2, 3 or 4) of the same coefficients with one (min, divisor) per component and group of
    tokens (mins, divisors [T, width] fp32, as component_ranges lays them out): q = clamp(round_half_even((x - min)
    / divisor), 0, 2^bits - 1) for each token's first rank values, token after token, then packed as quantize_runs
-   packs them (hf_varrate.codec.quantization.quantize_components). scratch [count] uint8. */
+   packs them (hf_varrate.codec.components.quantize_components). scratch [count] uint8. */
 void quantize_component_runs(const void *coefs, int bf16, int64_t row_stride, const int64_t *runs, int64_t n_runs,
                              int64_t group, int64_t width, int bits, const float *mins, const float *divisors,
                              uint8_t *scratch, int64_t count, uint8_t *codes, int threads) {
