@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: idle threads sleep, CPU time = work
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; never wait on a network
+if __name__ == "__main__":  # run as the command only: a module that imports this one keeps its environment
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: idle threads sleep, CPU time = work
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; never wait on a network
 
 import argparse
 import json

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -180,6 +181,20 @@ def test_processes_stopping_together_each_keep_their_run_info_entry(tmp_path):
     assert all(proc.wait(timeout=300) == 0 for proc in procs)
     sessions = json.loads((tmp_path / "run_info.json").read_text())["sessions"]
     assert sorted(s["status"] for s in sessions) == sorted(f"p{p}-{i}" for p in range(4) for i in range(3))
+
+
+def test_importing_the_runner_leaves_the_environment_alone():
+    """`python -m evaluation.run` goes offline and makes idle threads sleep; a module that imports it (a test, a
+    study) must not: os.environ is what every later subprocess inherits (the fake Hub's tests among them)."""
+    import subprocess
+    import sys
+
+    code = ("import os, json; before = dict(os.environ); import evaluation.run; "
+            "print(json.dumps(sorted(set(os.environ.items()) ^ set(before.items()))))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "OMP_WAIT_POLICY")})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == []
 
 
 def test_a_session_records_the_code_it_started_with(tmp_path, monkeypatch):
