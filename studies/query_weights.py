@@ -24,17 +24,14 @@ from hf_varrate.models import DEFAULT_MODELS, load_default_model
 from hf_varrate.shipped import SHIPPED_ROOT
 
 from evaluation.capture import capture, decoder, full_attention_layers, replay
-from evaluation.methods.query_weights import calibration_contexts, query_energy, weigh
+from evaluation.methods.query_weights import calibration_contexts, pre_rope_queries, query_energy, weigh
 
 OPTIONS = ((0.0, 1.0), (0.0, 2.0), (0.5, 1.0), (0.5, 0.5), (1.0, 1.0))  # (alpha, key weight x the bases' own)
 
 
 def post_rope_queries(module, captured, layer: int) -> torch.Tensor:
     """[H_q, S, d] fp32: layer `layer`'s queries as attention scores them."""
-    hidden = captured.hidden[layer]
-    q = module.q_proj(hidden).view(1, hidden.shape[1], -1, module.head_dim).transpose(1, 2)
-    if hasattr(module, "q_norm"):
-        q = module.q_norm(q)
+    q = pre_rope_queries(module, captured.hidden[layer])
     cos, sin = captured.cos[layer][:, None], captured.sin[layer][:, None]
     half = q.shape[-1] // 2
     rotated = torch.cat((-q[..., half:], q[..., :half]), dim=-1)

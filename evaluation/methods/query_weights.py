@@ -36,6 +36,13 @@ def calibration_contexts(tokenizer, contexts: int = CONTEXTS, length: int = LENG
     return [ids.view(-1).tolist() for ids in build_contexts(tokenizer, wiki_documents("calibration"), contexts, length)]
 
 
+def pre_rope_queries(module, hidden: torch.Tensor) -> torch.Tensor:
+    """[1, H_q, S, d]: an attention module's queries of `hidden` [1, S, hidden] before RoPE (Gemma-3 normalises
+    them first)."""
+    q = module.q_proj(hidden).view(1, hidden.shape[1], -1, module.head_dim).transpose(1, 2)
+    return module.q_norm(q) if hasattr(module, "q_norm") else q
+
+
 def query_energy(model, contexts: list[list[int]]) -> dict[int, torch.Tensor]:
     """{full-attention layer: [H_kv, d] fp64} the queries' mean energy per KV head and key dimension over the
     prompts `contexts` (pre-RoPE, summed over each KV head's query heads, each RoPE pair's two dimensions
@@ -46,10 +53,7 @@ def query_energy(model, contexts: list[list[int]]) -> dict[int, torch.Tensor]:
         for ids in contexts:
             captured = capture(model, ids)
             for i in full_attention_layers(model):
-                module, hidden = attention[i], captured.hidden[i]
-                q = module.q_proj(hidden).view(1, hidden.shape[1], -1, module.head_dim).transpose(1, 2)
-                if hasattr(module, "q_norm"):  # Gemma-3 normalises queries before RoPE
-                    q = module.q_norm(q)
+                q = pre_rope_queries(attention[i], captured.hidden[i])
                 energy[i] = energy.get(i, 0) + q[0].double().square().mean(dim=1) / len(contexts)  # [H_q, d]
     kv_heads = captured.keys[0].shape[1]
     out = {}
