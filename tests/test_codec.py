@@ -162,6 +162,24 @@ def test_encode_prompt_meets_budget_and_keeps_exact_tokens(budget):
     assert torch.equal(k_hat[:, :, exact], keys[:, :, exact]) and torch.equal(v_hat[:, :, exact], values[:, :, exact])
 
 
+@pytest.mark.parametrize("coef_bits", [None, 3])
+def test_byte_parts_name_every_tensor_the_code_holds(coef_bits):
+    """`byte_parts` splits `nbytes` into what each tensor holds, counted here from the tensors themselves."""
+    keys, values, queries, cos, sin = make_prompt(seq_len=600)
+    config = VarRateConfig(budget=0.3, r_min=4, coef_bits=coef_bits, quantized_budget="same_bytes")
+    code = encode_prompt(keys, values, queries, cos, sin, random_orthonormal(64, 64), config, scaling=0.25)
+    parts = code.byte_parts()
+    size = lambda t: t.numel() * t.element_size()  # noqa: E731
+    coefs = code.coefs
+    held = {"exact": code.exact_pos.numel() * 64 * 4, "anchor_indices": size(code.neighbours), "ranks": size(code.ranks),
+            "codes": size(coefs.codes) if coef_bits else size(coefs),
+            "scales": size(coefs.mins) + size(coefs.steps) if coef_bits else 0}
+    assert parts == held and sum(parts.values()) == code.nbytes()
+    cropped = code.byte_parts(limit=300)
+    assert sum(cropped.values()) == code.nbytes(limit=300) and all(cropped[k] <= parts[k] for k in parts)
+    assert cropped["ranks"] == int((code.coded_pos < 300).sum()) * code.ranks.element_size()
+
+
 def test_prompt_in_the_basis_span_reconstructs_exactly():
     """Joint vectors living in the span of the basis's first 8 rows come back exactly at any rank >= 8."""
     g = torch.Generator().manual_seed(1)

@@ -184,3 +184,16 @@ def test_query_weights_study_scores_exact_keys_as_no_error_and_rotates_queries_a
             noisy.update(k + 0.1 * torch.randn_like(k), v, i)
         out, tv, keys = attention_errors(tiny_llama, captured, noisy, [0, 1], 16)
         assert out > 0 and tv > 0 and keys > 0
+
+
+def test_byte_parts_study_sums_the_coded_layers_to_the_caches_footprint(smollm2):
+    from hf_varrate.shipped import SHIPPED_ROOT
+    from studies.byte_parts import PARTS, prompt_parts
+
+    model, _ = smollm2
+    ids = torch.randint(100, 5000, (1, 600), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        parts, full = prompt_parts(model, ids, SHIPPED_ROOT / "smollm2-135m-instruct", 0.2)
+    assert list(parts) == list(PARTS) and full == 30 * 600 * 2 * 3 * 64 * 2  # 30 layers, K and V, 3 heads x 64, fp16
+    assert 0.17 * full <= sum(parts.values()) <= 0.2 * full  # fp16-counted: the budget is met
+    assert parts["codes"] > parts["scales"] > 0 and parts["exact"] > 0 and parts["anchor_indices"] > parts["ranks"] > 0

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .anchors import anchor_positions, coded_positions, exact_positions
-from .codes import QuantizedCoefs
+from .codes import QuantizedCoefs, packed_bytes
 
 
 @dataclass
@@ -75,18 +75,27 @@ class PromptCode:
         of the held dtype's: what the same code takes in another K/V dtype (e.g. 2 for fp16 when the
         cache ran in fp32 on CPU); quantized coefficients, anchor indices and ranks stay as stored.
         """
+        return sum(self.byte_parts(limit, kv_bytes).values())
+
+    def byte_parts(self, limit: int | None = None, kv_bytes: int | None = None) -> dict[str, int]:
+        """`nbytes` by what the bytes hold: the `exact` tokens, the coefficients' `codes`, their quantization
+        `scales` (0 unquantized), the coded tokens' `anchor_indices` and their `ranks`."""
         limit = self.seq_len if limit is None else max(min(limit, self.seq_len), 0)
         value_bytes = self.kv_bytes if kv_bytes is None else kv_bytes
-        exact = int((self.exact_pos < limit).sum()) * self.width * value_bytes
+        parts = {"exact": int((self.exact_pos < limit).sum()) * self.width * value_bytes, "codes": 0, "scales": 0,
+                 "anchor_indices": 0, "ranks": 0}
         if self.stored_exactly:
-            return exact
+            return parts
         ranks = self.ranks if limit == self.seq_len else self.ranks[self.coded_pos < limit]
-        per_token = self.neighbours.shape[1] * self.neighbours.element_size() + self.ranks.element_size()
+        parts["anchor_indices"] = ranks.numel() * self.neighbours.shape[1] * self.neighbours.element_size()
+        parts["ranks"] = ranks.numel() * self.ranks.element_size()
         if isinstance(self.coefs, QuantizedCoefs):
-            coefs = coef_bytes(self.coefs) if limit == self.seq_len else self.coefs.nbytes_for(ranks)
+            whole = limit == self.seq_len  # the tensors held, else what a stream for the kept ranks takes
+            parts["codes"] = self.coefs.codes.numel() if whole else packed_bytes(int(ranks.long().sum()), self.coefs.bits)
+            parts["scales"] = (coef_bytes(self.coefs) if whole else self.coefs.nbytes_for(ranks)) - parts["codes"]
         else:
-            coefs = int(ranks.long().sum()) * (self.coefs.element_size() if kv_bytes is None else kv_bytes)
-        return exact + ranks.numel() * per_token + coefs
+            parts["codes"] = int(ranks.long().sum()) * (self.coefs.element_size() if kv_bytes is None else kv_bytes)
+        return parts
 
     def full_nbytes(self, kv_bytes: int | None = None) -> int:
         """Bytes the same prompt takes uncompressed in the same dtype (or at `kv_bytes` a value)."""
