@@ -186,7 +186,7 @@ def test_query_weights_study_scores_exact_keys_as_no_error_and_rotates_queries_a
         assert out > 0 and tv > 0 and keys > 0
 
 
-def test_byte_parts_study_sums_the_coded_layers_to_the_caches_footprint(smollm2):
+def test_byte_parts_study_counts_every_coded_layer_in_fp16_within_the_budget(smollm2):
     from hf_varrate.shipped import SHIPPED_ROOT
     from studies.byte_parts import PARTS, prompt_parts
 
