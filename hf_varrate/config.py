@@ -92,7 +92,10 @@ class VarRateConfig:
     allocation: str = field(
         default="waterfill",
         metadata={"group": "paper",
-                  "help": "'waterfill' (Eq. 5) or 'topk' (binary split: winners at R, the rest at r_min)."},
+                  "help": "'waterfill' (Eq. 5) or 'topk' (binary split: winners at R, the rest at r_min); beyond the "
+                  "paper, 'distortion': each token's rank from its own coefficients, so that the ranks leave the "
+                  "least residual energy uncoded in the same total (transform coding's allocation; needs "
+                  "signal='uniform')."},
     )
     storage: str = field(
         default="compact",

@@ -12,7 +12,7 @@ from .errors import VarRateWarning
 from .signals import SIGNALS
 
 GROUPS = ("paper", "beyond", "runtime", "coding", "developer")  # coding: fixed once a prompt is coded
-ALLOCATIONS = ("waterfill", "topk")
+ALLOCATIONS = ("waterfill", "topk", "distortion")
 STORAGES = ("materialized", "compact")
 HOLD_DTYPES = ("auto", "model")
 BASIS_BITS = (8, None)
@@ -53,6 +53,10 @@ def check_config(config) -> None:
                          f"{config.seed!r}; use e.g. seed=0 (the default)")
     check_choice("signal", config.signal, tuple(SIGNALS))
     check_choice("allocation", config.allocation, ALLOCATIONS)
+    if config.allocation == "distortion" and config.signal != "uniform":
+        raise ValueError(f"allocation='distortion' ranks each token by its own coefficients and reads no salience "
+                         f"signal, got signal={config.signal!r}; set signal='uniform' with it, or use "
+                         f"allocation='waterfill' to rank by the signal")
     check_choice("storage", config.storage, STORAGES)
     check_choice("hold_dtype", config.hold_dtype, HOLD_DTYPES)
     check_choice("basis_bits", config.basis_bits, BASIS_BITS)
@@ -80,7 +84,7 @@ def check_config(config) -> None:
                      fix="use e.g. anchor_share=0.25, or None to keep the stride")
     beyond = {"balance": config.balance != "none", "key_weight": config.key_weight != 1.0,
               "signal": not SIGNALS[config.signal].paper,
-              "layer_budgets": config.layer_budgets != "uniform",
+              "layer_budgets": config.layer_budgets != "uniform", "allocation": config.allocation == "distortion",
               "projection_dtype": config.projection_dtype != "float32", "coef_scales": config.coef_scales != "token"}
     if config.implementation == "reference" and any(beyond.values()):
         name = next(k for k, v in beyond.items() if v)

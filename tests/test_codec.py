@@ -10,6 +10,8 @@ from hf_varrate.codec import (
     SIGNALS, SignalInputs, coded_salience, register_signal, decode, decode_prompt, encode, encode_prompt, exact_mask, join_kv, minmax, nearest_anchors,
     pack, residuals, rotate_keys, split_kv, topk_ranks, unpack, unrotate_keys, waterfill_ranks,
 )
+from hf_varrate.codec.allocation import distortion_ranks
+from hf_varrate.codec.pipeline import compress_prompt
 
 
 def rope_tables(seq_len, dim, scale=1.0, base=10000.0):
@@ -117,6 +119,80 @@ def test_topk_is_a_binary_split():
     assert int(ranks.sum()) == 100 * 16 + 5 * 48
     assert set(ranks.tolist()) == {16, 64} and (ranks == 64).sum() == 5
     assert torch.equal(torch.argsort(s)[-5:].sort().values, (ranks == 64).nonzero()[:, 0].sort().values)
+
+
+def truncation_loss(energy, ranks):
+    keep = torch.arange(energy.shape[1])[None] < ranks[:, None]
+    return float(energy.masked_fill(keep, 0.0).sum())
+
+
+def test_distortion_ranks_are_the_least_lossy_of_all_allocations():
+    """On decreasing per-token energies (a concave kept energy, as PCA coefficients nearly give) the ranks lose
+    no more than the best of every allocation with the same total, found by brute force."""
+    import itertools
+    g = torch.Generator().manual_seed(3)
+    for trial in range(20):
+        energy = (torch.rand(4, 6, generator=g) * torch.rand(4, 1, generator=g) * 10).sort(1, descending=True).values
+        total = 4 + trial % 13  # ranks in [1, 6]
+        ranks = distortion_ranks(energy, total, 1, 6)
+        assert int(ranks.sum()) == total and ranks.min() >= 1 and ranks.max() <= 6
+        best = min(truncation_loss(energy, torch.tensor(r)) for r in itertools.product(range(1, 7), repeat=4)
+                   if sum(r) == total)
+        assert truncation_loss(energy, ranks) <= best + 1e-5
+
+
+def test_distortion_ranks_follow_each_tokens_energy():
+    """Equal tokens get ranks within one of each other; a token with a ten times larger tail gets more; any
+    energies (not decreasing, with NaN) still give ranks in bounds that sum to the total and lose no more
+    than uniform ranks."""
+    energy = torch.full((10, 32), 1.0).cumprod(1) * torch.linspace(1, 0.01, 32)
+    ranks = distortion_ranks(energy, 10 * 12 + 3, 4, 32)
+    assert int(ranks.sum()) == 123 and int(ranks.max() - ranks.min()) <= 1
+    energy[3, 8:] *= 10
+    ranks = distortion_ranks(energy, 10 * 12, 4, 32)
+    assert int(ranks[3]) == int(ranks.max()) and int(ranks[3]) > int(ranks[0])
+    g = torch.Generator().manual_seed(5)
+    wild = torch.rand(50, 40, generator=g) * torch.rand(50, 1, generator=g)
+    wild[7, 3] = float("nan")
+    for total in (50 * 4, 50 * 17, 50 * 40):
+        ranks = distortion_ranks(wild, total, 4, 40)
+        assert int(ranks.sum()) == total and ranks.min() >= 4 and ranks.max() <= 40
+        clean = torch.nan_to_num(wild)
+        assert truncation_loss(clean, ranks) <= truncation_loss(clean, torch.full((50,), total // 50)) + 1e-5
+    with pytest.raises(ValueError, match="total rank"):
+        distortion_ranks(wild, 50 * 4 - 1, 4, 40)
+
+
+@pytest.mark.parametrize("coef_bits, budget", [(None, 0.4), (3, 0.12)])
+def test_distortion_allocation_codes_a_mixed_prompt_better_in_the_same_bytes(coef_bits, budget):
+    """Tokens of very different scale: ranks from their own coefficients beat uniform ranks in the same budget,
+    and the code decodes to what the encoder reconstructed, bit for bit."""
+    keys, values, queries, cos, sin = make_prompt(seq_len=600)
+    loud = torch.arange(600) % 5 == 0
+    keys[:, :, loud] *= 6
+    values[:, :, loud] *= 6
+    basis = random_orthonormal(64, 64)
+    errors = {}
+    for allocation in ("waterfill", "distortion"):
+        config = VarRateConfig(budget=budget, r_min=2, signal="uniform", allocation=allocation, coef_bits=coef_bits,
+                               quantized_budget="same_bytes", window=16, stride=64)
+        code, k_hat, v_hat = compress_prompt(keys, values, queries, cos, sin, basis, config, scaling=0.25)
+        exact = code.exact_pos
+        k_dec, v_dec = decode_prompt(code, keys[:, :, exact], values[:, :, exact], cos, sin, basis)
+        assert torch.equal(k_dec, k_hat) and torch.equal(v_dec, v_hat)
+        errors[allocation] = float((k_hat - keys).square().sum() + (v_hat - values).square().sum())
+        assert code.nbytes() <= budget * code.full_nbytes()
+        if allocation == "distortion":
+            coded_loud = loud[code.coded_pos]
+            assert code.ranks[coded_loud].float().mean() > code.ranks[~coded_loud].float().mean() + 4
+    assert errors["distortion"] < 0.9 * errors["waterfill"]
+
+
+def test_distortion_allocation_reads_no_signal():
+    with pytest.raises(ValueError, match=r"allocation='distortion'.*signal='snapkv'.*signal='uniform'"):
+        VarRateConfig(allocation="distortion")
+    with pytest.raises(ValueError, match="implementation='reference'.*allocation"):
+        VarRateConfig(allocation="distortion", signal="uniform", implementation="reference")
 
 
 def test_minmax_constant_and_range():

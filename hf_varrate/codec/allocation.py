@@ -1,7 +1,9 @@
-"""Rank allocation: water-filling (Eq. 5, Algorithm 1 lines 6-11) and the binary top-K ablation.
+"""Rank allocation: water-filling (Eq. 5, Algorithm 1 lines 6-11), the binary top-K ablation, and beyond the
+paper the ranks that leave the least coefficient energy untransmitted (`distortion_ranks`).
 
-Shapes: salience s-hat [C] in [0, 1]; ranks [C] long. Solved in closed form on the sorted
-salience (one sort, one cumulative sum), not by the reference's iterative loop of tiny kernels.
+Shapes: salience s-hat [C] in [0, 1]; energy [C, K] (squared coefficients); ranks [C] long. Water-filling is
+solved in closed form on the sorted salience (one sort, one cumulative sum), not by the reference's iterative
+loop of tiny kernels.
 """
 
 from __future__ import annotations
@@ -55,6 +57,48 @@ def topk_ranks(salience: torch.Tensor, total: int, r_min: int, r_max: int) -> to
     ranks[order[:winners]] = r_max
     if leftover and winners < count:
         ranks[order[winners]] += leftover
+    return ranks
+
+
+def distortion_ranks(energy: torch.Tensor, total: int, r_min: int, r_max: int, steps: int = 48) -> torch.Tensor:
+    """Integer ranks in [r_min, r_max] summing to `total` that keep the most of each token's coefficient energy.
+
+    energy [C, K >= r_max]: token t's squared coefficients in basis order, so truncating it at rank r loses
+    sum(energy[t, r:]). Minimizing the summed loss at a fixed total rank is the rate-distortion allocation of
+    transform coding: each token takes the rank maximizing kept energy - theta * rank (the concave hull of its
+    cumulative energy), with theta bisected until the ranks fit `total`; the few ranks left go one by one to the
+    tokens whose next coefficient holds the most energy. Equal tokens get equal ranks; a token whose tail is
+    large (a fact the basis does not predict) gets more.
+    """
+    count = energy.shape[0]
+    _check_total(total, count, r_min, r_max)
+    if count == 0:
+        return torch.zeros(0, dtype=torch.long, device=energy.device)
+    e = torch.nan_to_num(energy[:, :r_max].float(), nan=0.0, posinf=0.0).clamp(min=0.0)
+    kept = e.cumsum(1)[:, r_min - 1 :] if r_min > 0 else torch.cat([e.new_zeros(count, 1), e.cumsum(1)], 1)
+    kept = kept - kept[:, :1]  # [C, r_max - r_min + 1]: energy kept above the floor at each rank
+    steps_up = torch.arange(kept.shape[1], device=e.device, dtype=kept.dtype)
+
+    def ranks_at(theta: float) -> torch.Tensor:
+        return (kept - theta * steps_up).argmax(1)  # the smallest of tied ranks
+
+    low, high = 0.0, float(e.max()) + 1.0  # at `high` every token stays at the floor
+    if int(ranks_at(low).sum()) + count * r_min <= total:
+        high = low
+    for _ in range(steps if high > low else 0):
+        middle = (low + high) / 2
+        if int(ranks_at(middle).sum()) + count * r_min > total:
+            low = middle
+        else:
+            high = middle
+    ranks = ranks_at(high) + r_min
+    missing = total - int(ranks.sum())
+    while missing > 0:  # by the next coefficient's energy; at most r_max rounds
+        open_ = ranks < r_max
+        gain = torch.where(open_, e.gather(1, ranks.clamp(max=r_max - 1)[:, None])[:, 0], e.new_full((), -1.0))
+        take = min(missing, int(open_.sum()))
+        ranks[torch.topk(gain, take).indices] += 1
+        missing -= take
     return ranks
 
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.profiler import record_function
 
-from .allocation import topk_ranks, waterfill_ranks
+from .allocation import distortion_ranks, topk_ranks, waterfill_ranks
 from . import native
 from .anchors import anchor_positions, exact_mask, gather_means, nearest_anchors_mm
 from .budget import coefficient_budget, counted_dtype
@@ -68,7 +68,8 @@ def compress_prompt(keys, values, queries, cos, sin, basis, config: VarRateConfi
     inputs = SignalInputs(queries, keys, scaling, coded_pos, code.seq_len, config.stride, config.window,
                           config.pool_kernel, config.seed)
     salience = None
-    if not SIGNALS[config.signal].after_anchors:
+    by_energy = config.allocation == "distortion"  # ranks from the coefficients themselves, after the anchors
+    if not by_energy and not SIGNALS[config.signal].after_anchors:
         with record_function("varrate.salience"):
             salience = coded_salience(config.signal, inputs)
     if config.implementation == "reference":
@@ -93,8 +94,11 @@ def compress_prompt(keys, values, queries, cos, sin, basis, config: VarRateConfi
         means = _subtract_means(z, z_anchors, neighbours, keep=reconstruct)  # Eq. 2; None unless kept
     if plan is None:
         with record_function("varrate.allocation"):
-            salience = coded_salience(config.signal, dataclasses.replace(inputs, residuals=z))  # coded_pos order
-            ranks = allocate(salience, total, floor, rank)
+            if by_energy:
+                ranks = distortion_ranks(coefficient_energy(z, basis, rank), total, floor, rank)
+            else:
+                salience = coded_salience(config.signal, dataclasses.replace(inputs, residuals=z))  # coded_pos order
+                ranks = allocate(salience, total, floor, rank)
             plan = _plan(ranks, _group(config), _by_component(config))
             coded_pos, z, means, neighbours = (t if t is None else _in_order(t, plan)
                                                for t in (coded_pos, z, means, neighbours))
@@ -115,6 +119,13 @@ def compress_prompt(keys, values, queries, cos, sin, basis, config: VarRateConfi
         _reconstruct(code, plan, coded_pos, means, basis, k_hat, v_hat, cos, sin, scales,
                      (keys[0].index_select(1, exact), values[0].index_select(1, exact)), mm_dtype)
     return code, k_hat, v_hat
+
+
+def coefficient_energy(z: torch.Tensor, basis: torch.Tensor, rank: int, chunk: int = 4096) -> torch.Tensor:
+    """[C, rank] fp32: the squared coefficients of the residuals z [C, D] on the first `rank` basis rows (in fp32,
+    chunked over tokens), what `allocation='distortion'` allocates by."""
+    rows = basis[:rank].float()
+    return torch.cat([(part @ rows.T).square_() for part in z.split(chunk)]) if z.shape[0] else z.new_zeros(0, rank)
 
 
 def rank_floor(config: VarRateConfig, total: int, count: int, rank: int) -> int:
