@@ -8,6 +8,8 @@ loop of tiny kernels.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -60,15 +62,16 @@ def topk_ranks(salience: torch.Tensor, total: int, r_min: int, r_max: int) -> to
     return ranks
 
 
-def distortion_ranks(energy: torch.Tensor, total: int, r_min: int, r_max: int, steps: int = 48) -> torch.Tensor:
+def distortion_ranks(energy: torch.Tensor, total: int, r_min: int, r_max: int, steps: int = 40,
+                     slack: float = 1 / 32) -> torch.Tensor:
     """Integer ranks in [r_min, r_max] summing to `total` that keep the most of each token's coefficient energy.
 
     energy [C, K >= r_max]: token t's squared coefficients in basis order, so truncating it at rank r loses
     sum(energy[t, r:]). Minimizing the summed loss at a fixed total rank is the rate-distortion allocation of
     transform coding: each token takes the rank maximizing kept energy - theta * rank (the concave hull of its
-    cumulative energy), with theta bisected until the ranks fit `total`; the few ranks left go one by one to the
-    tokens whose next coefficient holds the most energy. Equal tokens get equal ranks; a token whose tail is
-    large (a fact the basis does not predict) gets more.
+    cumulative energy), with theta bisected (geometrically) until the ranks fall short of `total` by at most
+    `slack` ranks per token; those last ranks go one by one to the tokens whose next coefficient holds the most
+    energy. Equal tokens get equal ranks; a token whose tail is large (what the basis does not predict) gets more.
     """
     count = energy.shape[0]
     _check_total(total, count, r_min, r_max)
@@ -76,22 +79,29 @@ def distortion_ranks(energy: torch.Tensor, total: int, r_min: int, r_max: int, s
         return torch.zeros(0, dtype=torch.long, device=energy.device)
     e = torch.nan_to_num(energy[:, :r_max].float(), nan=0.0, posinf=0.0).clamp(min=0.0)
     kept = e.cumsum(1)[:, r_min - 1 :] if r_min > 0 else torch.cat([e.new_zeros(count, 1), e.cumsum(1)], 1)
-    kept = kept - kept[:, :1]  # [C, r_max - r_min + 1]: energy kept above the floor at each rank
+    kept -= kept[:, :1].clone()  # [C, r_max - r_min + 1]: energy kept above the floor at each rank
     steps_up = torch.arange(kept.shape[1], device=e.device, dtype=kept.dtype)
+    scratch = torch.empty_like(kept)
+    spare = total - count * r_min
 
-    def ranks_at(theta: float) -> torch.Tensor:
-        return (kept - theta * steps_up).argmax(1)  # the smallest of tied ranks
+    def ranks_at(theta: float) -> torch.Tensor:  # above the floor; the smallest of tied ranks
+        return torch.sub(kept, steps_up, alpha=theta, out=scratch).argmax(1)
 
-    low, high = 0.0, float(e.max()) + 1.0  # at `high` every token stays at the floor
-    if int(ranks_at(low).sum()) + count * r_min <= total:
-        high = low
-    for _ in range(steps if high > low else 0):
-        middle = (low + high) / 2
-        if int(ranks_at(middle).sum()) + count * r_min > total:
-            low = middle
-        else:
-            high = middle
-    ranks = ranks_at(high) + r_min
+    above = ranks_at(0.0)
+    if int(above.sum()) > spare:  # else every token keeps all it has, and the fill below spends the rest
+        high = float(e.max()) + 1.0  # every token stays at the floor
+        low = high * 2.0 ** -60  # near 0, in ratio
+        above = ranks_at(high)
+        for _ in range(steps):
+            middle = math.sqrt(low * high)
+            candidate = ranks_at(middle)
+            if int(candidate.sum()) > spare:
+                low = middle
+            else:
+                high, above = middle, candidate
+                if spare - int(above.sum()) <= slack * count:
+                    break
+    ranks = above + r_min
     missing = total - int(ranks.sum())
     while missing > 0:  # by the next coefficient's energy; at most r_max rounds
         open_ = ranks < r_max
