@@ -28,7 +28,7 @@ from .joint import joint_rows
 from .layer_budget import budget_scale
 from .packing import PromptCode, meta_bytes_per_token, smallest_uint
 from .projection import (DENSE_SLACK, DenseOrder, RankOrder, decode_blocks, decode_dense, dense_order, encode_blocks,
-                         encode_dense, layout_shape, matmul_dtype, rank_order, rebuild_layout)
+                         encode_dense, layout_shape, matmul_dtype, pack, rank_order, rebuild_layout)
 from .codes import QuantizedCoefs
 from .components import quantize_components
 from .quantization import dequantize, dequantize_dense, quantize, quantize_dense
@@ -92,25 +92,28 @@ def compress_prompt(keys, values, queries, cos, sin, basis, config: VarRateConfi
     with record_function("varrate.anchor_search"):
         neighbours = nearest_anchors_mm(z, z_anchors, config.n_anchors, config.distance_chunk)  # [C, c]
         means = _subtract_means(z, z_anchors, neighbours, keep=reconstruct)  # Eq. 2; None unless kept
+    mm_dtype = matmul_dtype(config.projection_dtype, keys.device)
+    coefs = None  # [C, rank] fp32, coded order: every coefficient up to the cap, where the allocation reads them
     if plan is None:
         with record_function("varrate.allocation"):
             if by_energy:
-                ranks = distortion_ranks(coefficient_energy(z, basis, rank), total, floor, rank)
+                coefs = coefficients(z, basis, rank, mm_dtype)
+                ranks = distortion_ranks(coefs.square(), total, floor, rank)
             else:
                 salience = coded_salience(config.signal, dataclasses.replace(inputs, residuals=z))  # coded_pos order
                 ranks = allocate(salience, total, floor, rank)
             plan = _plan(ranks, _group(config), _by_component(config))
             coded_pos, z, means, neighbours = (t if t is None else _in_order(t, plan)
                                                for t in (coded_pos, z, means, neighbours))
-    mm_dtype = matmul_dtype(config.projection_dtype, keys.device)
     with record_function("varrate.projection"):
         code.ranks = ranks.to(smallest_uint(rank))
         code.neighbours = _unsort(neighbours, plan).to(smallest_uint(anchor_pos.numel() - 1))
         if isinstance(plan, DenseOrder):
             coefs = encode_dense(z, basis, plan, mm_dtype, as_computed=config.coef_bits is not None)
             code.coefs = _store_dense(coefs, plan, keys.dtype, config)
-        else:  # Eq. 6, truncated per token
-            code.coefs = _store(encode_blocks(z, basis, plan, mm_dtype), code.ranks, keys.dtype, config)
+        else:  # Eq. 6, truncated per token (each token's leading coefficients, when the allocation computed them)
+            packed = encode_blocks(z, basis, plan, mm_dtype) if coefs is None else pack(coefs, ranks, torch.float32)
+            code.coefs = _store(packed, code.ranks, keys.dtype, config)
     if not reconstruct:
         return code, None, None
     with record_function("varrate.reconstruction"):
@@ -121,11 +124,11 @@ def compress_prompt(keys, values, queries, cos, sin, basis, config: VarRateConfi
     return code, k_hat, v_hat
 
 
-def coefficient_energy(z: torch.Tensor, basis: torch.Tensor, rank: int, chunk: int = 4096) -> torch.Tensor:
-    """[C, rank] fp32: the squared coefficients of the residuals z [C, D] on the first `rank` basis rows (in fp32,
-    chunked over tokens), what `allocation='distortion'` allocates by."""
-    rows = basis[:rank].float()
-    return torch.cat([(part @ rows.T).square_() for part in z.split(chunk)]) if z.shape[0] else z.new_zeros(0, rank)
+def coefficients(z: torch.Tensor, basis: torch.Tensor, rank: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[C, rank] fp32: the coefficients of the residuals z [C, D] on the first `rank` basis rows, the matmul's
+    operands in `dtype` as `encode_blocks` takes them. `allocation='distortion'` allocates by their squares and
+    stores each token's leading ones, so the projection is computed once."""
+    return (z.to(dtype) @ basis[:rank].to(dtype).T).float()
 
 
 def rank_floor(config: VarRateConfig, total: int, count: int, rank: int) -> int:
