@@ -129,7 +129,7 @@ def _price_for(kept: torch.Tensor, spare: float, high: float) -> float:
 def _refine_price(kept: torch.Tensor, spare: int, theta: float, steps: int, slack: float) -> torch.Tensor:
     """The ranks at the lowest price found whose total is at most `spare` and within `slack` of it: a bracket
     around the estimate `theta` (widened by factors of 1.01, 1.02, 1.04, ...), then Illinois steps on log(price)
-    with the ranks' total as the function, at most `steps` evaluations in all."""
+    with the ranks' total as the function; at most `steps` evaluations in each of the two phases."""
     ranks = _ranks_at_price(kept, theta)
     excess = int(ranks.sum()) - spare  # > 0: the price is too low
     low = high = theta

@@ -93,12 +93,12 @@ def compress_prompt(keys, values, queries, cos, sin, basis, config: VarRateConfi
         neighbours = nearest_anchors_mm(z, z_anchors, config.n_anchors, config.distance_chunk)  # [C, c]
         means = _subtract_means(z, z_anchors, neighbours, keep=reconstruct)  # Eq. 2; None unless kept
     mm_dtype = matmul_dtype(config.projection_dtype, keys.device)
-    coefs = None  # [C, rank] fp32, coded order: every coefficient up to the cap, where the allocation reads them
+    leading = None  # [C, rank] fp32, coded order: every coefficient up to the cap, where the allocation reads them
     if plan is None:
         with record_function("varrate.allocation"):
             if by_energy:
-                coefs = coefficients(z, basis, rank, mm_dtype)
-                ranks = distortion_ranks(coefs.square(), total, floor, rank)
+                leading = coefficients(z, basis, rank, mm_dtype)
+                ranks = distortion_ranks(leading.square(), total, floor, rank)
             else:
                 salience = coded_salience(config.signal, dataclasses.replace(inputs, residuals=z))  # coded_pos order
                 ranks = allocate(salience, total, floor, rank)
@@ -112,7 +112,7 @@ def compress_prompt(keys, values, queries, cos, sin, basis, config: VarRateConfi
             coefs = encode_dense(z, basis, plan, mm_dtype, as_computed=config.coef_bits is not None)
             code.coefs = _store_dense(coefs, plan, keys.dtype, config)
         else:  # Eq. 6, truncated per token (each token's leading coefficients, when the allocation computed them)
-            packed = encode_blocks(z, basis, plan, mm_dtype) if coefs is None else pack(coefs, ranks, torch.float32)
+            packed = encode_blocks(z, basis, plan, mm_dtype) if leading is None else pack(leading, ranks, torch.float32)
             code.coefs = _store(packed, code.ranks, keys.dtype, config)
     if not reconstruct:
         return code, None, None
