@@ -142,7 +142,7 @@ def test_distortion_ranks_are_the_least_lossy_of_all_allocations():
 
 
 def test_distortion_ranks_stop_early_at_the_optimum_to_a_thousandth():
-    """The bisection stops once the ranks are within `slack` per token of the total and fills the rest greedily:
+    """The price search stops once the ranks are within `slack` per token of the total and fills the rest greedily:
     on PCA-like energies (decaying, chi-square noise, tokens of different scale) that loses at most 0.1% more
     energy than bisecting to the end."""
     g = torch.Generator().manual_seed(7)

@@ -27,8 +27,8 @@ from .budget import coefficient_budget, counted_dtype
 from .joint import joint_rows
 from .layer_budget import budget_scale
 from .packing import PromptCode, meta_bytes_per_token, smallest_uint
-from .projection import (DENSE_SLACK, DenseOrder, RankOrder, decode_blocks, decode_dense, dense_order, encode_blocks,
-                         encode_dense, layout_shape, matmul_dtype, pack, rank_order, rebuild_layout)
+from .projection import (DENSE_SLACK, DenseOrder, RankOrder, decode_blocks, decode_dense, dense_order, encode,
+                         encode_blocks, encode_dense, layout_shape, matmul_dtype, pack, rank_order, rebuild_layout)
 from .codes import QuantizedCoefs
 from .components import quantize_components
 from .quantization import dequantize, dequantize_dense, quantize, quantize_dense
@@ -97,7 +97,7 @@ def compress_prompt(keys, values, queries, cos, sin, basis, config: VarRateConfi
     if plan is None:
         with record_function("varrate.allocation"):
             if by_energy:
-                leading = coefficients(z, basis, rank, mm_dtype)
+                leading = encode(z, basis[:rank], mm_dtype)  # projected once: allocated by, then stored
                 ranks = distortion_ranks(leading.square(), total, floor, rank)
             else:
                 salience = coded_salience(config.signal, dataclasses.replace(inputs, residuals=z))  # coded_pos order
@@ -122,13 +122,6 @@ def compress_prompt(keys, values, queries, cos, sin, basis, config: VarRateConfi
         _reconstruct(code, plan, coded_pos, means, basis, k_hat, v_hat, cos, sin, scales,
                      (keys[0].index_select(1, exact), values[0].index_select(1, exact)), mm_dtype)
     return code, k_hat, v_hat
-
-
-def coefficients(z: torch.Tensor, basis: torch.Tensor, rank: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """[C, rank] fp32: the coefficients of the residuals z [C, D] on the first `rank` basis rows, the matmul's
-    operands in `dtype` as `encode_blocks` takes them. `allocation='distortion'` allocates by their squares and
-    stores each token's leading ones, so the projection is computed once."""
-    return (z.to(dtype) @ basis[:rank].to(dtype).T).float()
 
 
 def rank_floor(config: VarRateConfig, total: int, count: int, rank: int) -> int:

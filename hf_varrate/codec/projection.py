@@ -13,9 +13,10 @@ from functools import cache, cached_property
 import torch
 
 
-def encode(residuals: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
-    """c_t = V e_t for every coded token, at the full rank R: [C, D] -> [C, R]."""
-    return residuals.float() @ basis.float().T
+def encode(residuals: torch.Tensor, basis: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """c_t = V e_t for every coded token, at the full rank R: [C, D] -> [C, R] fp32, the matmul's operands in
+    `dtype` (`matmul_dtype`, as `encode_blocks` takes them)."""
+    return (residuals.to(dtype) @ basis.to(dtype).T).float()
 
 
 def rank_mask(ranks: torch.Tensor, rank: int) -> torch.Tensor:
