@@ -127,45 +127,33 @@ def _price_for(kept: torch.Tensor, spare: float, high: float) -> float:
 
 
 def _refine_price(kept: torch.Tensor, spare: int, theta: float, steps: int, slack: float) -> torch.Tensor:
-    """The ranks at the lowest price found whose total is at most `spare` and within `slack` of it: a bracket
-    around the estimate `theta` (widened by factors of 1.01, 1.02, 1.04, ...), then Illinois steps on log(price)
-    with the ranks' total as the function; at most `steps` evaluations in each of the two phases."""
-    ranks = _ranks_at_price(kept, theta)
-    excess = int(ranks.sum()) - spare  # > 0: the price is too low
-    low = high = theta
-    low_excess = high_excess = None
-    if excess > 0:
-        low_excess, best = excess, None
-    else:
-        high_excess, best = excess, ranks
-    factor = 1.01
-    for _ in range(steps):  # widen until both sides are known (or the ranks are close enough)
-        if best is not None and (low_excess is not None or -high_excess <= slack):
-            break
-        theta = high * factor if best is None else low / factor
-        factor *= factor
+    """The ranks at the lowest price found whose total is at most `spare` and within `slack` of it. One bracket
+    [low, high] on the price (the ranks exceed `spare` at low and fit at high): while a side is unknown the
+    estimate `theta` is moved out by factors of 1.01, 1.02, 1.04, ... on that side; once both are known, Illinois
+    steps (regula falsi on log(price), the ranks' total as the function, halving the weight of the side that
+    stays). At most `2 * steps` evaluations."""
+    start, factor = theta, 1.01
+    low = high = None  # the bracket's prices
+    low_weight = high_weight = high_excess = 0  # the Illinois weights (the sides' excesses, halved), high's excess
+    best, side = None, 0  # the ranks at high; which side moved last (-1 low, 1 high)
+    for _ in range(2 * steps):
         ranks = _ranks_at_price(kept, theta)
         excess = int(ranks.sum()) - spare
-        if excess > 0:
-            low, low_excess = theta, excess
-        else:
-            high, high_excess, best = theta, excess, ranks
-    side, low_weight, high_weight = 0, low_excess, high_excess  # the weights Illinois halves; not the excesses
-    for _ in range(steps):  # Illinois: regula falsi that halves the weight of the side that stays
-        if low_excess is None or -high_excess <= slack or high <= low * (1 + 1e-12):
-            break
-        x_low, x_high = math.log(low), math.log(high)
-        theta = math.exp(x_low + (x_high - x_low) * low_weight / (low_weight - high_weight))
-        if not low < theta < high:
-            theta = math.sqrt(low * high)
-        ranks = _ranks_at_price(kept, theta)
-        excess = int(ranks.sum()) - spare
-        if excess > 0:
-            low, low_excess, low_weight = theta, excess, excess
+        if excess > 0:  # the price is too low
+            low, low_weight = theta, excess
             high_weight, side = (high_weight / 2 if side == -1 else high_weight), -1
         else:
             high, high_excess, high_weight, best = theta, excess, excess, ranks
             low_weight, side = (low_weight / 2 if side == 1 else low_weight), 1
+        if high is not None and (-high_excess <= slack or low is not None and high <= low * (1 + 1e-12)):
+            break
+        if low is None or high is None:
+            theta, factor = (start * factor if high is None else start / factor), factor * factor
+            continue
+        x_low, x_high = math.log(low), math.log(high)
+        theta = math.exp(x_low + (x_high - x_low) * low_weight / (low_weight - high_weight))
+        if not low < theta < high:
+            theta = math.sqrt(low * high)
     return best if best is not None else torch.zeros_like(ranks)  # no price found that low: every row at the floor
 
 
