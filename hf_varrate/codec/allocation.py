@@ -72,8 +72,8 @@ def distortion_ranks(energy: torch.Tensor, total: int, r_min: int, r_max: int, s
     cumulative energy), one price theta for all. The price is first bisected (geometrically) on about `sample`
     evenly spaced tokens, then bracketed and refined on all of them by regula falsi (Illinois) on log(theta),
     at most 2 * `steps` rounds, until the ranks fall short of `total` by at most `slack` ranks per token; those
-    last ranks go one by one to the tokens whose next coefficient holds the most energy. Equal tokens get equal ranks; a token whose
-    tail is large (what the basis does not predict) gets more.
+    last ranks go one by one to the tokens whose next coefficient holds the most energy. Equal tokens get equal
+    ranks; a token whose tail is large (what the basis does not predict) gets more.
     """
     count = energy.shape[0]
     _check_total(total, count, r_min, r_max)
