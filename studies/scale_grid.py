@@ -29,14 +29,15 @@ ALLOCATIONS = {"the preset's ranks": {}, "allocation='distortion'": {"allocation
 
 
 def grid_entries(ranks: torch.Tensor, tokens: int) -> tuple[int, int, float]:
-    """(ragged, dense, budgeted) scale entries of one layer's ranks [C] (coded order) in groups of `tokens`."""
+    """(ragged, dense, budgeted) scale entries of one layer's ranks [C] (coded order) in groups of `tokens`;
+    budgeted restates `codec/budget.py`'s charge, with the widest token's rank for the cap."""
     ranks = ranks.long()
     groups = -(-ranks.numel() // tokens)
     padded = ranks.new_zeros(groups * tokens)
     padded[: ranks.numel()] = ranks
     widest = int(ranks.max())
-    budgeted = ranks.numel() / tokens + widest + 1 + int(ranks.sum()) / tokens  # the budget's charge, the cap at
-    return int(padded.view(groups, tokens).amax(dim=1).sum()), groups * widest, budgeted  # the widest token's rank
+    budgeted = ranks.numel() / tokens + widest + 1 + int(ranks.sum()) / tokens
+    return int(padded.view(groups, tokens).amax(dim=1).sum()), groups * widest, budgeted
 
 
 def count(model, ids: torch.Tensor, folder, budget: float, overrides: dict) -> dict[str, float]:
