@@ -98,7 +98,7 @@ def check_component_scales(config) -> None:
     if conflicts:
         name, value = next(iter(conflicts.items()))
         raise ValueError(f"coef_scales='component' needs {name}={value} (a scale per component over groups of "
-                         f"tokens fits tokens of one rank, in the bytes it is given), got {name}="
+                         f"tokens fits tokens grouped by rank, in the bytes it is given), got {name}="
                          f"{getattr(config, name)!r}; set {name} so, or use coef_scales='token'")
 
 
@@ -107,7 +107,7 @@ def component_conflicts(config) -> dict[str, str]:
     when none does."""
     needs = {"coef_bits": (config.coef_bits is not None, "e.g. 3 or 4"),
              "signal": (config.signal == "uniform", "'uniform'"),
-             "allocation": (config.allocation == "waterfill", "'waterfill'"),
+             "allocation": (config.allocation != "topk", "'waterfill' or 'distortion'"),
              "quantized_budget": (config.quantized_budget == "same_bytes", "'same_bytes'")}
     return {name: value for name, (ok, value) in needs.items() if not ok}
 

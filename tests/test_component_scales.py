@@ -144,6 +144,91 @@ def test_decoding_reproduces_the_encoders_reconstruction(seq_len):
     assert code.nbytes() <= 0.3 * code.full_nbytes()
 
 
+def varying_ranks(rows, width, seed):
+    """Ranks in [1, width] that vary token to token, with runs of equal ranks across group boundaries."""
+    g = torch.Generator().manual_seed(seed)
+    ranks = torch.randint(1, width + 1, (rows,), generator=g)
+    ranks[rows // 3: rows // 2] = width // 2
+    return ranks
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("rows", [1, COMPONENT_TOKENS, 300])
+def test_rank_axis_round_trips_within_half_a_step_in_a_ragged_grid(bits, rows):
+    """Axis "rank" (varying ranks): the tokens grouped by decreasing rank, each group's scales as wide as its
+    widest token. Every value decodes within half its own step, the padding to zero, and the grid holds no more
+    entries than the budget's allowance for per-component scales (sum(ranks) / T + the widest rank)."""
+    coefs, _ = decaying(rows)
+    ranks = varying_ranks(rows, coefs.shape[1], seed=rows + bits)
+    plan = dense_order(ranks, 1, slack=float("inf"))
+    coefs = coefs[:, :plan.width]  # the layout's width: the widest rank
+    q = quantize_components(coefs.clone(), plan, bits, axis="rank")
+    assert q.axis == "rank" and q.count == int(ranks.sum())
+    dense = dequantize_dense(q, plan)
+    assert (dense[~plan.mask] == 0).all()
+    stream = plan.to_stream(coefs)
+    assert torch.equal(dequantize(q, ranks), plan.to_stream(dense))
+    bound = error_bound(q, ranks)
+    assert ((plan.to_stream(dense) - stream).abs() <= bound * (1 + 1e-5) + 1e-6 * stream.abs()).all()
+    sorted_ranks = ranks.sort(descending=True).values
+    assert q.mins.numel() == q.steps.numel() == int(sorted_ranks[::COMPONENT_TOKENS].sum())
+    assert q.mins.numel() <= ranks.sum() / COMPONENT_TOKENS + ranks.max()
+    assert q.nbytes() == q.nbytes_for(ranks)
+    if rows > COMPONENT_TOKENS:  # the ragged grid is smaller than axis "component"'s full one
+        assert q.mins.numel() < quantize_components(coefs.clone(), plan, bits).mins.numel()
+
+
+def test_rank_axis_scales_are_the_ranges_of_the_rank_sorted_groups():
+    """Each scale of axis "rank" is the range of one component over one group of the rank order, checked against
+    a brute-force sort: tokens sorted by decreasing rank (ties in their order), cut into groups of 64."""
+    g = torch.Generator().manual_seed(11)
+    rows, width, bits = 300, 40, 3
+    coefs = 2 + 5 * torch.rand(rows, width, generator=g)  # all above 2: a zero let in would move a min
+    ranks = varying_ranks(rows, width, seed=4)
+    plan = dense_order(ranks, 1, slack=float("inf"))
+    q = quantize_components(coefs.clone(), plan, bits, axis="rank")
+    order = sorted(range(rows), key=lambda t: (-int(ranks[t]), t))
+    entry = 0
+    for first in range(0, rows, COMPONENT_TOKENS):
+        members = order[first:first + COMPONENT_TOKENS]
+        for j in range(int(ranks[members[0]])):
+            values = torch.stack([coefs[t, j] for t in members if ranks[t] > j])
+            lo, hi = float(values.min()), float(values.max())
+            low, step = float(q.mins[entry]), float(q.steps[entry])
+            assert low <= lo and lo - low <= lo * 2**-10 and low + step * (2**bits - 1) >= hi
+            entry += 1
+    assert entry == q.mins.numel()
+
+
+def test_rank_axis_equals_component_axis_where_ranks_never_rise():
+    """Ranks that never rise are already in rank order: axis "rank" then keeps axis "component"'s codes, and its
+    scales are the component grid's entries within each group's widest rank (the others, absent, are dropped)."""
+    coefs, _ = decaying(300)
+    ranks = torch.linspace(51, 5, 300).round().long()
+    plan = dense_order(ranks, 1, slack=float("inf"))
+    by_rank = quantize_components(coefs.clone(), plan, 3, axis="rank")
+    by_component = quantize_components(coefs.clone(), plan, 3)
+    assert torch.equal(by_rank.codes, by_component.codes)
+    present = plan.mask[::COMPONENT_TOKENS]
+    assert torch.equal(by_rank.mins, by_component.mins.view(-1, plan.width)[present])
+    assert torch.equal(by_rank.steps, by_component.steps.view(-1, plan.width)[present])
+
+
+@pytest.mark.parametrize("budget", [0.1, 0.2])
+def test_distortion_ranks_with_component_scales_meet_the_budget_and_decode_as_encoded(budget):
+    """allocation='distortion' with coef_scales='component': ranks that vary, scales on axis "rank", the bytes
+    within the budget (and near it), and the decoder reproducing the encoder's reconstruction bit for bit."""
+    (keys, values, queries, cos, sin), basis = realistic_prompt()
+    keys[:, :, ::5] *= 4  # tokens of different scale, so the ranks do vary
+    config = VarRateConfig(budget=budget, coef_bits=3, window=16, allocation="distortion", **COMPONENT)
+    code, k_hat, v_hat = compress_prompt(keys, values, queries, cos, sin, basis, config, 0.125)
+    assert code.coefs.axis == "rank" and int(code.ranks.max()) - int(code.ranks.min()) > 1
+    assert 0.97 * budget * code.full_nbytes() <= code.nbytes() <= budget * code.full_nbytes()
+    exact = code.exact_pos
+    k_dec, v_dec = decode_prompt(code, keys[:, :, exact], values[:, :, exact], cos, sin, basis)
+    assert torch.equal(k_dec, k_hat) and torch.equal(v_dec, v_hat)
+
+
 @pytest.mark.parametrize("field,value", [("coef_bits", None), ("signal", "snapkv"), ("allocation", "topk"),
                                          ("quantized_budget", "same_ranks")])
 def test_component_scales_name_what_they_need(field, value):

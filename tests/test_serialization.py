@@ -33,17 +33,20 @@ def answer(model, cache, doc_len=300, seed=1):
 
 
 COMPONENT_SCALES = {"coef_bits": 3, "coef_scales": "component", "signal": "uniform", "quantized_budget": "same_bytes"}
+RANK_SCALES = {**COMPONENT_SCALES, "allocation": "distortion"}  # ranks that vary: scales on axis "rank"
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_gemma3"])
 @pytest.mark.parametrize("saved", ["materialized", "compact"])
 @pytest.mark.parametrize("loaded", ["materialized", "compact"])
-@pytest.mark.parametrize("overrides", [{}, {"coef_bits": 3}, {"coef_bits": 2}, COMPONENT_SCALES])
+@pytest.mark.parametrize("overrides", [{}, {"coef_bits": 3}, {"coef_bits": 2}, COMPONENT_SCALES, RANK_SCALES])
 def test_save_load_generate_equals_the_in_memory_run(fixture, saved, loaded, overrides, request, tmp_path):
     model = request.getfixturevalue(fixture)
     cache = compressed(model, saved, **overrides)
     expected = answer(model, copy.deepcopy(cache))
     cache.save_pretrained(tmp_path)
+    if overrides is RANK_SCALES:
+        assert '"axis": "rank"' in (tmp_path / CONFIG_NAME).read_text()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([CONFIG_NAME, TENSORS_NAME])
     hf_varrate.unbind(model)
     loaded_cache = VarRateCache.load(tmp_path, model=model, storage=loaded)

@@ -28,7 +28,8 @@ def coefficient_budget(config: VarRateConfig, seq_len: int, n_exact: int, n_code
     then it costs bits/8 plus its share of its group's fp16 min and step, and each token is charged
     one more (partial) group up front, so the realised bytes never exceed the budget (with
     `coef_scales="component"`: bits/8 plus its share of its component's scales per `component_tokens` tokens, the
-    partial groups up front; the ranks are uniform, so the scale grid is at most one column wider). With
+    partial groups up front; uniform ranks make the scale grid at most one column wider, and varying ones, on axis
+    "rank", hold at most sum(ranks) / `component_tokens` + the cap entries, `components`' bound). With
     `"same_ranks"` the ranks are those of `kv_bytes` coefficients, less `same_ranks_overshoot` (zero
     unless ranks as small as 1-3 are allowed); `rank` is the rank cap (default: `width`)."""
     spare = config.budget * seq_len * width * kv_bytes - n_exact * width * kv_bytes - n_coded * meta_bytes

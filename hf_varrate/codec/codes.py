@@ -3,8 +3,9 @@ scales, the bytes they take, and the rounding every quantizer of `quantization` 
 
 Codes are unsigned b-bit integers, bit-packed 8 values to b bytes. Scales are a min and a step per group in fp16
 (fp32 if fp16 would overflow), asymmetric because a group of leading PCA coefficients is rarely centred on
-zero. A group is a token's run of `group` coefficients (axis "token", the paper's) or one component over
-`group` consecutive tokens (axis "component", see `components`).
+zero. A group is a token's run of `group` coefficients (axis "token", the paper's), one component over
+`group` consecutive tokens (axis "component", see `components`), or over `group` tokens of the rank order (axis
+"rank", the same module).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 BITS = (2, 3, 4, 8)
 SCALE_DTYPE = torch.float16
-AXES = ("token", "component")
+AXES = ("token", "component", "rank")
 COMPONENT_TOKENS = 64  # tokens per group of one component's scales; VarRateConfig.component_tokens's default
 
 
@@ -64,8 +65,11 @@ def group_counts(ranks: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def scale_count(ranks: torch.Tensor, group: int, axis: str = "token") -> int:
-    """How many (min, step) pairs a stream for these ranks holds: one per group of each token, or (axis
-    "component") a [ceil(C / group), widest rank] grid."""
+    """How many (min, step) pairs a stream for these ranks holds: one per group of each token, (axis "component")
+    a [ceil(C / group), widest rank] grid, or (axis "rank") the ragged grid of `components.rank_groups`: each
+    group of the tokens by decreasing rank as wide as its first."""
+    if axis == "rank":
+        return int(torch.sort(ranks.long(), descending=True).values[::group].sum())
     if axis == "component":
         return -(-ranks.numel() // group) * int(ranks.long().max()) if ranks.numel() else 0
     return int(group_counts(ranks, group).sum())

@@ -177,7 +177,7 @@ def code_layout(code: PromptCode) -> RankOrder | DenseOrder:
     a `LayoutShape`), and later calls rebuild the layout's tensors on the device without reading anything."""
     if code.layout is None:
         quantized = code.coefs if isinstance(code.coefs, QuantizedCoefs) else None
-        by_component = quantized is not None and quantized.axis == "component"
+        by_component = quantized is not None and quantized.axis != "token"
         group = quantized.group if quantized is not None and not by_component else 1
         code.layout = layout_shape(_plan(code.ranks, group, by_component))
     return rebuild_layout(code.layout, code.ranks)
@@ -308,7 +308,8 @@ def _store_dense(coefs: torch.Tensor, plan: DenseOrder, dtype: torch.dtype, conf
     if config.coef_bits is None:
         return plan.to_stream(coefs).to(dtype)
     if _by_component(config):
-        return quantize_components(coefs, plan, config.coef_bits, config.component_tokens)
+        axis = "rank" if config.allocation == "distortion" else "component"  # ranks that vary: a ragged grid
+        return quantize_components(coefs, plan, config.coef_bits, config.component_tokens, axis)
     return quantize_dense(coefs, plan, config.coef_bits)
 
 

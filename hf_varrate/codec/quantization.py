@@ -3,7 +3,7 @@
 Each coded token's r_t coefficients are cut into groups of `group` consecutive coefficients (the last group of a
 token may be shorter); each group has its own min and step (`codes`). `quantize` / `dequantize` are the stream's
 reference; `quantize_dense` / `dequantize_dense` / `dequantize_runs` do the same from and to the dense layout
-the codec works in, and hand a stream with scales per component (`axis="component"`) to `components`.
+the codec works in, and hand a stream with scales per component (`axis="component"` or `"rank"`) to `components`.
 
 Shapes: packed stream x [N] (N = sum of ranks, token after token), ranks [C], groups [G].
 """
@@ -45,7 +45,7 @@ def quantize(x: torch.Tensor, ranks: torch.Tensor, bits: int, group: int) -> Qua
 def dequantize(coefs: QuantizedCoefs, ranks: torch.Tensor) -> torch.Tensor:
     """[N] fp32: min + q * step for every coefficient of the stream."""
     q = unpack_bits(coefs.codes, coefs.bits, coefs.count).float()
-    if coefs.axis == "component":
+    if coefs.axis != "token":
         index = component_index(coefs, ranks)
         return q.mul_(coefs.steps.float()[index]).add_(coefs.mins.float()[index])
     sizes = group_sizes(ranks, coefs.group, coefs.mins.numel())
@@ -71,7 +71,7 @@ def group_sizes(ranks: torch.Tensor, group: int, n_groups: int | None = None) ->
 
 def error_bound(coefs: QuantizedCoefs, ranks: torch.Tensor) -> torch.Tensor:
     """[N] the largest |x - dequantize(x)| rounding allows: half a step of the value's group."""
-    if coefs.axis == "component":
+    if coefs.axis != "token":
         return coefs.steps.float()[component_index(coefs, ranks)] / 2
     sizes = group_sizes(ranks, coefs.group, coefs.mins.numel())
     return torch.repeat_interleave(coefs.steps.float(), sizes, output_size=coefs.count) / 2
@@ -110,7 +110,7 @@ def _quantize_runs(coefs: torch.Tensor, layout: DenseOrder, bits: int) -> Quanti
 
 def dequantize_dense(coefs: QuantizedCoefs, layout: DenseOrder) -> torch.Tensor:
     """`dequantize` laid out dense: [C, K * group] fp32, zeros past each row's rank (see `quantize_dense`)."""
-    if coefs.axis == "component":
+    if coefs.axis != "token":
         return dequantize_components(coefs, layout)
     if layout.runs is not None:
         return layout.from_stream(dequantize_runs(coefs, layout))
@@ -131,7 +131,7 @@ def dequantize_runs(coefs: QuantizedCoefs, layout: DenseOrder) -> torch.Tensor:
     fast = native.dequantize_runs(coefs, layout.runs, torch.float32, layout.width)
     if fast is not None:
         return fast
-    if coefs.axis == "component":
+    if coefs.axis != "token":
         return layout.to_stream(dequantize_components(coefs, layout))
     group = coefs.group
     if coefs.bits == 4:
