@@ -109,7 +109,10 @@ def compress_prompt(keys, values, queries, cos, sin, basis, config: VarRateConfi
         code.ranks = ranks.to(smallest_uint(rank))
         code.neighbours = _unsort(neighbours, plan).to(smallest_uint(anchor_pos.numel() - 1))
         if isinstance(plan, DenseOrder):
-            coefs = encode_dense(z, basis, plan, mm_dtype, as_computed=config.coef_bits is not None)
+            if leading is not None and plan.width <= leading.shape[1]:  # projected once, for the allocation
+                coefs = leading[:, :plan.width].contiguous()
+            else:
+                coefs = encode_dense(z, basis, plan, mm_dtype, as_computed=config.coef_bits is not None)
             code.coefs = _store_dense(coefs, plan, keys.dtype, config)
         else:  # Eq. 6, truncated per token (each token's leading coefficients, when the allocation computed them)
             packed = encode_blocks(z, basis, plan, mm_dtype) if leading is None else pack(leading, ranks, torch.float32)
