@@ -16,10 +16,11 @@ import argparse
 import torch
 
 from hf_varrate import VarRateCache
-from hf_varrate.calibration.contexts import build_contexts
-from hf_varrate.calibration.texts import wiki_documents
-from hf_varrate.models import DEFAULT_MODELS, load_default_model
+from hf_varrate.models import DEFAULT_MODELS
 from hf_varrate.shipped import SHIPPED_ROOT
+
+from studies._context import held_out_context
+
 
 PARTS = ("exact", "codes", "scales", "anchor_indices", "ranks")
 
@@ -44,9 +45,7 @@ def main(argv=None) -> None:
     parser.add_argument("--length", type=int, default=2048)
     parser.add_argument("--budgets", default="0.1,0.2")
     args = parser.parse_args(argv)
-    torch.set_grad_enabled(False)
-    model, tokenizer = load_default_model(args.model)
-    ids = build_contexts(tokenizer, wiki_documents("held_out"), 1, args.length)[0].view(1, -1)
+    model, _, ids = held_out_context(args.model, args.length)
     print(f"# {args.model}, one held-out wiki context of {args.length} tokens; share of the coded prompt's bytes\n")
     print("| budget | footprint (fp16) | " + " | ".join(PARTS) + " |")
     print("|---" * (len(PARTS) + 2) + "|")

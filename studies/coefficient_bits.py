@@ -29,18 +29,18 @@ import argparse
 import torch
 
 from hf_varrate import Bases
-from hf_varrate.calibration.contexts import build_contexts
-from hf_varrate.calibration.texts import wiki_documents
 from hf_varrate.codec.anchors import anchor_positions, exact_mask, gather_means, nearest_anchors_mm
 from hf_varrate.codec.joint import joint_rows
 from hf_varrate.codec.packing import meta_bytes_per_token
 from hf_varrate.codec.pipeline import effective_stride
 from hf_varrate.codec.quantization import dequantize, quantize
-from hf_varrate.models import DEFAULT_MODELS, load_default_model
+from hf_varrate.models import DEFAULT_MODELS
 from hf_varrate.shipped import SHIPPED_ROOT
 
 from evaluation.capture import capture, full_attention_layers
 from evaluation.methods.component_bits import recoded
+
+from studies._context import held_out_context
 
 SCALE_BYTES = 4  # a group's fp16 min and step
 
@@ -91,11 +91,9 @@ def loss(coefs: torch.Tensor, quantized: torch.Tensor) -> float:
 def held_out_capture(model_name: str, length: int, n_layers: int):
     """(shipped bases, capture of one held-out wiki context of `length` tokens, `n_layers` full-attention layers
     evenly spread): what the coefficient studies measure on."""
-    torch.set_grad_enabled(False)
-    model, tokenizer = load_default_model(model_name)
+    model, _, ids = held_out_context(model_name, length)
     bases = Bases.from_pretrained(str(SHIPPED_ROOT / model_name))
-    ids = build_contexts(tokenizer, wiki_documents("held_out"), 1, length)[0]
-    captured = capture(model, ids.view(1, -1).tolist()[0])
+    captured = capture(model, ids[0].tolist())
     layers = full_attention_layers(model)
     return bases, captured, layers[:: max(1, -(-len(layers) // n_layers))]
 

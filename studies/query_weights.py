@@ -18,13 +18,13 @@ import argparse
 import torch
 
 from hf_varrate import Bases, VarRateCache
-from hf_varrate.calibration.contexts import build_contexts
-from hf_varrate.calibration.texts import wiki_documents
-from hf_varrate.models import DEFAULT_MODELS, load_default_model
+from hf_varrate.models import DEFAULT_MODELS
 from hf_varrate.shipped import SHIPPED_ROOT
 
 from evaluation.capture import capture, decoder, full_attention_layers, replay
 from evaluation.methods.query_weights import calibration_contexts, pre_rope_queries, query_energy, weigh
+
+from studies._context import held_out_context
 
 OPTIONS = ((0.0, 1.0), (0.0, 2.0), (0.5, 1.0), (0.5, 0.5), (1.0, 1.0))  # (alpha, key weight x the bases' own)
 
@@ -70,12 +70,10 @@ def main(argv=None) -> None:
     parser.add_argument("--budgets", default="0.1,0.2")
     parser.add_argument("--queries", type=int, default=256)
     args = parser.parse_args(argv)
-    torch.set_grad_enabled(False)
-    model, tokenizer = load_default_model(args.model)
+    model, tokenizer, ids = held_out_context(args.model, args.length)
     layers = full_attention_layers(model)
     energy = query_energy(model, calibration_contexts(tokenizer))
-    ids = build_contexts(tokenizer, wiki_documents("held_out"), 1, args.length)[0].view(-1).tolist()
-    captured = capture(model, ids)
+    captured = capture(model, ids[0].tolist())
     print(f"# {args.model}, one held-out wiki context of {args.length} tokens, its last {args.queries} positions' "
           f"queries, {len(layers)} full-attention layers\n")
     print("| budget | alpha | key weight | attention output error | attention TV | key error |")
