@@ -21,7 +21,6 @@ from hf_varrate.shipped import SHIPPED_ROOT
 
 from studies._context import held_out_context
 
-
 PARTS = ("exact", "codes", "scales", "anchor_indices", "ranks")
 
 

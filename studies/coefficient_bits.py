@@ -100,8 +100,7 @@ def leveled_columns(coefs: torch.Tensor, token_group: int, levels: torch.Tensor 
     count, width = coefs.shape
     pad = -count % token_group
     blocks = torch.cat((coefs, coefs[-1:].expand(pad, width))).view(-1, token_group, width)
-    mean, std = blocks.mean(1, keepdim=True), blocks.std(1, keepdim=True).clamp_min(1e-30)
-    unit = (blocks - mean) / std
+    unit, mean, std = _unit_blocks(blocks)
     decoded = levels[(unit[..., None] - levels).abs().argmin(-1)] * std + mean
     return decoded.view(-1, width)[:count]
 
@@ -111,12 +110,18 @@ def fitted_levels(coefs: torch.Tensor, token_group: int, rounds: int = 30) -> to
     the layer, fitted on the data it then codes: an optimistic bound on any level shape)."""
     count, width = coefs.shape
     blocks = coefs[: count - count % token_group].reshape(-1, token_group, width)
-    unit = ((blocks - blocks.mean(1, keepdim=True)) / blocks.std(1, keepdim=True).clamp_min(1e-30)).reshape(-1)
+    unit = _unit_blocks(blocks)[0].reshape(-1)
     levels = torch.tensor(GAUSSIAN_LEVELS)
     for _ in range(rounds):
         cell = (unit[:, None] - levels).abs().argmin(1)
         levels = torch.stack([unit[cell == i].mean() if (cell == i).any() else levels[i] for i in range(8)])
     return levels
+
+
+def _unit_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(blocks [G, T, K] in units of each group's deviation about its mean, the means, the deviations)."""
+    mean, std = blocks.mean(1, keepdim=True), blocks.std(1, keepdim=True).clamp_min(1e-30)
+    return (blocks - mean) / std, mean, std
 
 
 def loss(coefs: torch.Tensor, quantized: torch.Tensor) -> float:

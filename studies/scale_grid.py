@@ -27,7 +27,6 @@ from hf_varrate.shipped import SHIPPED_ROOT
 
 from studies._context import held_out_context
 
-
 ALLOCATIONS = {"the preset's ranks": {}, "allocation='distortion'": {"allocation": "distortion", "coef_scales": "token"}}
 
 
