@@ -63,10 +63,16 @@ class RotaryFrequencies:
     def mismatch(self, cos: torch.Tensor, sin: torch.Tensor, offset: int = 0) -> float:
         """The largest difference between the model's tables cos, sin [1, n, d] and ours for positions offset..,
         at `offset_of`'s sampled positions, in units of the tolerance it allows (above 1: not ours)."""
+        return self.worst_difference(cos, sin, offset)[0]
+
+    def worst_difference(self, cos: torch.Tensor, sin: torch.Tensor, offset: int = 0) -> tuple[float, int, int]:
+        """(`mismatch`, the token index where it is largest, its channel): where the model's tables leave ours."""
+        picks = sample_positions(cos.shape[1], device=cos.device)
         mine_cos, mine_sin, their_cos, their_sin = self._sampled(cos, sin, offset)
-        worst = max(float((mine_cos.float() - their_cos.float()).abs().max()),
-                    float((mine_sin.float() - their_sin.float()).abs().max()))
-        return worst / self._tolerance(cos.dtype)
+        gap = torch.maximum((mine_cos.float() - their_cos.float()).abs(), (mine_sin.float() - their_sin.float()).abs())
+        flat = int(gap[0].argmax())
+        token, channel = divmod(flat, gap.shape[-1])
+        return float(gap[0].flatten()[flat]) / self._tolerance(cos.dtype), int(picks[token]), channel
 
     def _sampled(self, cos: torch.Tensor, sin: torch.Tensor, offset: int) -> tuple[torch.Tensor, ...]:
         """(our cos, our sin, the model's cos, the model's sin) at a spread sample of the n positions, ours from

@@ -204,6 +204,9 @@ def test_tables_one_position_off_still_fall_back(tiny_llama):
     assert rope.mismatch(cos, sin) > 1e4 and rope.mismatch(cos, sin, 1) == 0.0  # what a fallback's warning reports
     up = torch.nextafter(cos, torch.full_like(cos, 2.0)), torch.nextafter(sin, torch.full_like(sin, 2.0))
     assert 0.0 < rope.mismatch(*up, 1) <= 1.0  # one ulp: within the rounding `offset_of` allows
+    bumped = cos.clone()
+    bumped[0, 299, 3] += 0.1
+    assert rope.worst_difference(bumped, sin, 1)[1:] == (299, 3)  # where the warning says the tables part
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_gemma3"])

@@ -207,8 +207,9 @@ class VarRateLayer(TurnsMixin, DynamicLayer):
             offsets = [self._rope_offset(row) for row in rows]
             missed = [row for row, offset in zip(rows, offsets) if offset is None]
             if missed:
-                worst = self.rope.mismatch(missed[0].cos, missed[0].sin)
-                detail = f"; at offset 0 they differ from ours by {worst:.3g}x rounding"
+                worst, token, channel = self.rope.worst_difference(missed[0].cos, missed[0].sin)
+                detail = (f"; at offset 0 they differ from ours by {worst:.3g}x rounding (most at token {token}, "
+                          f"channel {channel})")
         if any(offset is None for offset in offsets):
             return ("the model's RoPE tables are not consecutive positions of its inv_freq (custom position ids?)"
                     + detail)
