@@ -12,6 +12,9 @@ from that preset instead.
 `eval_query_weights: alpha` (evaluation only) codes the keys weighted by the queries' energy per dimension;
 see `query_weights`.
 
+`eval_energy_value_weight: w` (evaluation only, with `allocation: distortion`) ranks by coefficient energy with
+the value half weighted by w (0: the keys' alone); see `key_energy`.
+
 `signal: eval_surprisal` (evaluation only, not a library signal) feeds the codec a salience the cache
 cannot see: each prompt token's surprisal -log p(token | earlier tokens) under the model, from an extra
 forward over the compressed prompt; see `surprisal`.
@@ -19,6 +22,7 @@ forward over the compressed prompt; see `surprisal`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import warnings
@@ -34,7 +38,8 @@ from hf_varrate.signals import SIGNALS, SignalInputs, register_signal
 from ..capture import clock, decoder, replay
 from .base import Compressed, Context, dynamic_from_capture
 
-NOT_CONFIG = {"kind", "bases", "impl", "preset", "layer_scales", "eval_coefs", "eval_token_group", "eval_query_weights"}
+NOT_CONFIG = {"kind", "bases", "impl", "preset", "layer_scales", "eval_coefs", "eval_token_group", "eval_query_weights",
+              "eval_energy_value_weight"}
 SURPRISAL = "eval_surprisal"  # registered (once) when a method spec names it; never by importing this module
 _surprisal: dict = {"current": None}  # the surprisal [S] of the prompt being coded, set only around its replay
 
@@ -72,6 +77,9 @@ class VarRateMethod:
         if "eval_query_weights" in spec and spec.get("storage") != "materialized":
             raise ValueError(f"method {name!r}: eval_query_weights needs storage: materialized (attention over the "
                              f"codes reads the key half unscaled); add it to the spec")
+        if "eval_energy_value_weight" in spec and self.overrides.get("allocation") != "distortion":
+            raise ValueError(f"method {name!r}: eval_energy_value_weight weighs the energy allocation='distortion' "
+                             f"ranks by; add allocation: distortion to the spec")
         self._bases: dict[tuple[str, str], Bases] = {}  # by (model, which): one run may switch models
 
     def config_for(self, bases: Bases) -> VarRateConfig:
@@ -94,6 +102,13 @@ class VarRateMethod:
                 apply(self._bases[key], ctx.model, ctx.tokenizer, float(self.spec["eval_query_weights"]))
         return self._bases[key]
 
+    def _ranks(self):
+        """The allocation's energy as the spec weighs it (`key_energy`), or the library's."""
+        if "eval_energy_value_weight" not in self.spec:
+            return contextlib.nullcontext()
+        from .key_energy import key_energy
+        return key_energy(float(self.spec["eval_energy_value_weight"]))
+
     def compress(self, ctx: Context, default_bases: str = "shipped") -> Compressed:
         bases = self.bases(ctx, default_bases)
         config = self.config_for(bases)
@@ -103,7 +118,8 @@ class VarRateMethod:
             from hf_varrate.press import VarRatePress
 
             press = VarRatePress(bases=bases, config=config)
-            cache = replay_press(press, ctx, dynamic_from_capture(ctx.model, ctx.captured))
+            with self._ranks():
+                cache = replay_press(press, ctx, dynamic_from_capture(ctx.model, ctx.captured))
             seconds = clock() - start
             return Compressed(cache, seconds, extra={"stored_bytes": press.layer_bytes()})
         extra = {}
@@ -113,7 +129,8 @@ class VarRateMethod:
             start = clock() - head_seconds
         cache = VarRateCache(bases, config, model_config=ctx.model.config)
         try:
-            replay(cache, ctx.model, ctx.captured)
+            with self._ranks():
+                replay(cache, ctx.model, ctx.captured)
         finally:
             _surprisal["current"] = None
         seconds = clock() - start
