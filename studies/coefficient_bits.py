@@ -41,7 +41,7 @@ from hf_varrate.models import DEFAULT_MODELS
 from hf_varrate.shipped import SHIPPED_ROOT
 
 from evaluation.capture import capture, full_attention_layers
-from evaluation.methods.component_bits import fixed_rank, recoded
+from evaluation.methods.component_bits import column_blocks, fixed_rank, recoded
 
 from studies._context import held_out_context
 
@@ -98,9 +98,7 @@ def leveled_columns(coefs: torch.Tensor, token_group: int, levels: torch.Tensor 
     the Gaussian Lloyd-Max ones, or `levels` given in units of the group's deviation."""
     levels = torch.tensor(GAUSSIAN_LEVELS) if levels is None else levels
     count, width = coefs.shape
-    pad = -count % token_group
-    blocks = torch.cat((coefs, coefs[-1:].expand(pad, width))).view(-1, token_group, width)
-    unit, mean, std = _unit_blocks(blocks)
+    unit, mean, std = _unit_blocks(column_blocks(coefs, token_group))
     decoded = levels[(unit[..., None] - levels).abs().argmin(-1)] * std + mean
     return decoded.view(-1, width)[:count]
 

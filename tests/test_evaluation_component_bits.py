@@ -39,3 +39,18 @@ def test_more_bytes_lose_less():
 def test_an_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="eval_coefs='per_head'"):
         cb.rewrite(None, None, None, None, "per_head")
+
+
+def test_a_partial_last_group_is_quantized_as_if_alone():
+    """Padding by repeating the last row adds no range: the last 10 rows of 74 (groups of 64) decode as those 10
+    rows would on their own, with both quantizers (min and step; the study's mean-and-deviation levels)."""
+    from studies.coefficient_bits import leveled_columns
+
+    coefs = torch.randn(74, 6, generator=torch.Generator().manual_seed(0)).abs() + 1  # zero padding would widen
+    blocks = cb.column_blocks(coefs, 64)
+    assert blocks.shape == (2, 64, 6) and torch.equal(blocks.view(-1, 6)[:74], coefs)
+    assert torch.equal(blocks[1, 10:], coefs[-1:].expand(54, 6))
+    torch.testing.assert_close(cb.quantize_columns(coefs, 3, 64)[64:], cb.quantize_columns(coefs[64:], 3, 10))
+    zero_padded = cb.quantize_columns(torch.cat((coefs[64:], torch.zeros(1, 6))), 3, 11)[:10]
+    assert not torch.allclose(cb.quantize_columns(coefs, 3, 64)[64:], zero_padded)
+    assert leveled_columns(coefs, 64).shape == coefs.shape

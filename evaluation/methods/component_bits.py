@@ -30,13 +30,19 @@ BITS = (0, 1, 2, 3, 4, 5, 6, 8)
 SCALE_BYTES = 4  # a group's fp16 min and step
 
 
+def column_blocks(coefs: torch.Tensor, token_group: int) -> torch.Tensor:
+    """coefs [C, K] as [G, token_group, K] groups of consecutive rows, the last padded by repeating the last row
+    (repeats add no new range or outlier); `.view(-1, K)[:C]` undoes it."""
+    count, width = coefs.shape
+    return torch.cat((coefs, coefs[-1:].expand(-count % token_group, width))).view(-1, token_group, width)
+
+
 def quantize_columns(coefs: torch.Tensor, bits: int, token_group: int) -> torch.Tensor:
     """coefs [C, K] quantized and decoded per component over groups of `token_group` rows (min and step each)."""
     if bits == 0:
         return torch.zeros_like(coefs)
     count, width = coefs.shape
-    pad = -count % token_group
-    blocks = torch.cat((coefs, coefs[-1:].expand(pad, width))).view(-1, token_group, width)  # repeats: no new range
+    blocks = column_blocks(coefs, token_group)
     lo, hi = blocks.amin(1, keepdim=True), blocks.amax(1, keepdim=True)
     step = ((hi - lo) / (2**bits - 1)).clamp_min(1e-30)
     decoded = ((blocks - lo) / step).round_().clamp_(0, 2**bits - 1).mul_(step).add_(lo)
