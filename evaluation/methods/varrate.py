@@ -15,6 +15,9 @@ see `query_weights`.
 `eval_energy_value_weight: w` (evaluation only, with `allocation: distortion`) ranks by coefficient energy with
 the value half weighted by w (0: the keys' alone); see `key_energy`.
 
+`eval_keys_bits: b` (evaluation only, with `eval_keys_group: G`) quantizes the coded tokens' keys per channel
+beside values coded low-rank, within the spec's budget; see `kivi_keys`.
+
 `signal: eval_surprisal` (evaluation only, not a library signal) feeds the codec a salience the cache
 cannot see: each prompt token's surprisal -log p(token | earlier tokens) under the model, from an extra
 forward over the compressed prompt; see `surprisal`.
@@ -39,7 +42,7 @@ from ..capture import clock, decoder, replay
 from .base import Compressed, Context, dynamic_from_capture
 
 NOT_CONFIG = {"kind", "bases", "impl", "preset", "layer_scales", "eval_coefs", "eval_token_group", "eval_query_weights",
-              "eval_energy_value_weight"}
+              "eval_energy_value_weight", "eval_keys_bits", "eval_keys_group"}
 SURPRISAL = "eval_surprisal"  # registered (once) when a method spec names it; never by importing this module
 _surprisal: dict = {"current": None}  # the surprisal [S] of the prompt being coded, set only around its replay
 
@@ -80,14 +83,21 @@ class VarRateMethod:
         if "eval_energy_value_weight" in spec and self.overrides.get("allocation") != "distortion":
             raise ValueError(f"method {name!r}: eval_energy_value_weight weighs the energy allocation='distortion' "
                              f"ranks by; add allocation: distortion to the spec")
+        if "eval_keys_bits" in spec:
+            needs = {"storage": "materialized", "budget_dtype": "float16"}
+            missing = {k: v for k, v in needs.items() if self.overrides.get(k) != v}
+            if missing or "key_weight" not in spec or self.impl != "cache" or "budget" not in spec:
+                raise ValueError(f"method {name!r}: eval_keys_bits rewrites the keys of a materialized cache within a "
+                                 f"budget counted in fp16, and the codec must be told how little to weigh the keys; "
+                                 f"the spec needs {needs}, a key_weight (e.g. 0.01), a budget and impl: cache")
         self._bases: dict[tuple[str, str], Bases] = {}  # by (model, which): one run may switch models
 
-    def config_for(self, bases: Bases) -> VarRateConfig:
+    def config_for(self, bases: Bases, **fields) -> VarRateConfig:
         """`bases.config(preset, **fields)`: the spec's preset ('paper' when it names none), the bases'
-        calibrated stride/window/n_anchors, then the spec's fields."""
+        calibrated stride/window/n_anchors, then the spec's fields, then `fields`."""
         with warnings.catch_warnings():  # a spec that sets stride/window/n_anchors means to: an ablation
             warnings.filterwarnings("ignore", category=CalibrationOverrideWarning)
-            return bases.config(self.spec.get("preset", "paper"), **self.overrides)
+            return bases.config(self.spec.get("preset", "paper"), **{**self.overrides, **fields})
 
     def bases(self, ctx: Context, default: str) -> Bases:
         key = (ctx.model_name, self.spec.get("bases", default))
@@ -122,6 +132,8 @@ class VarRateMethod:
                 cache = replay_press(press, ctx, dynamic_from_capture(ctx.model, ctx.captured))
             seconds = clock() - start
             return Compressed(cache, seconds, extra={"stored_bytes": press.layer_bytes()})
+        if "eval_keys_bits" in self.spec:
+            return self._compress_with_quantized_keys(ctx, bases, config, start)
         extra = {}
         if config.signal == SURPRISAL:  # the extra forward is not counted: the library would reuse the prefill's
             head_seconds = surprisal(ctx.model, ctx.ids)  # final hidden states and pay only lm_head + log-softmax
@@ -140,6 +152,35 @@ class VarRateMethod:
                                  self.spec.get("eval_token_group", 64)))
         extra = {**extra, **rank_diagnostics(cache), **fp16_fraction(cache), "bases": self.spec.get("bases", default_bases),
                  "bases_sha256": weights_sha(bases)}
+        return Compressed(cache, seconds, extra=extra)
+
+
+    def _compress_with_quantized_keys(self, ctx: Context, bases: Bases, config: VarRateConfig, start: float):
+        """`kivi_keys`: the codec at the budget less the quantized keys' share, once more to spend what is left."""
+        from .kivi_keys import fp16_totals, rewrite_keys, share
+
+        bits, group = int(self.spec["eval_keys_bits"]), int(self.spec.get("eval_keys_group", 64))
+        codec_budget = config.budget - share(bits, group)
+        if codec_budget <= 0:
+            raise ValueError(f"method {self.name!r}: keys at eval_keys_bits={bits} take {share(bits, group):.3f} of "
+                             f"the fp16 bytes, more than budget={config.budget}; lower the bits or raise the budget")
+        passes = 0
+        while True:
+            passes += 1
+            cache = VarRateCache(bases, self.config_for(bases, budget=codec_budget), model_config=ctx.model.config)
+            replay(cache, ctx.model, ctx.captured)
+            spent = rewrite_keys(cache, ctx.captured, bits, group)
+            held, full = fp16_totals(cache, spent)
+            slack = config.budget - held / full
+            if passes == 2 or slack <= 0.002:
+                break
+            codec_budget += slack
+        seconds = clock() - start
+        layers = cache.footprint().layers
+        stored = {i: layers[i].bytes + spent_i for i, spent_i in spent.items()}
+        extra = {"stored_bytes": stored, **rank_diagnostics(cache), "fraction_fp16": held / full,
+                 "eval_keys_codec_budget": codec_budget, "eval_keys_passes": passes,
+                 "bases": self.spec.get("bases", "shipped"), "bases_sha256": weights_sha(bases)}
         return Compressed(cache, seconds, extra=extra)
 
 
