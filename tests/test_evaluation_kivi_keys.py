@@ -38,16 +38,21 @@ def spec(**fields):
             "storage": "materialized", "key_weight": 0.01, "eval_keys_bits": 8, **fields}
 
 
+def spectral_bases(model):
+    """Identity bases with a calibration spectrum, which a key weight other than 1 needs."""
+    from hf_varrate import Bases
+
+    width = 2 * model.config.num_key_value_heads * model.config.head_dim
+    spectrum = torch.linspace(2.0, 0.1, width)
+    return Bases.from_tensors({i: torch.eye(width) for i in range(2)}, model.config,
+                              spectra={i: spectrum for i in range(2)}, calibration="test")
+
+
 def test_only_the_coded_keys_are_rewritten_within_the_total_budget(tiny_llama, one_intra_op_thread):
     from evaluation.capture import capture
     from evaluation.methods import make_method
     from evaluation.methods.base import Context
-    from hf_varrate import Bases
-
-    width = 2 * tiny_llama.config.num_key_value_heads * tiny_llama.config.head_dim
-    spectrum = torch.linspace(2.0, 0.1, width)
-    bases = Bases.from_tensors({i: torch.eye(width) for i in range(2)}, tiny_llama.config,
-                               spectra={i: spectrum for i in range(2)}, calibration="test")
+    bases = spectral_bases(tiny_llama)
     ids = torch.randint(2, 128, (700,), generator=torch.Generator().manual_seed(3)).tolist()
     captured = capture(tiny_llama, ids)
     method = make_method("k8", spec())
@@ -88,3 +93,7 @@ def test_a_spec_that_cannot_rewrite_or_cannot_fit_the_keys_is_refused(tiny_llama
     ids = torch.randint(2, 128, (300,), generator=torch.Generator().manual_seed(4)).tolist()
     with pytest.raises(ValueError, match=r"eval_keys_bits=8 take 0\.266.*budget=0\.2"):
         method.compress(Context(tiny_llama, None, "tiny", capture(tiny_llama, ids), ids), "identity")
+    starved = make_method("k", spec(budget=0.28))  # 8-bit keys leave the values 0.0144: less than the exact tokens
+    starved._bases[("tiny", "test")] = spectral_bases(tiny_llama)
+    with pytest.raises(ValueError, match=r"budget=0\.0144.*layers \[0, 1\] were stored exactly; lower the bits"):
+        starved.compress(Context(tiny_llama, None, "tiny", capture(tiny_llama, ids), ids), "test")

@@ -169,6 +169,11 @@ class VarRateMethod:
             passes += 1
             cache = VarRateCache(bases, self.config_for(bases, budget=codec_budget), model_config=ctx.model.config)
             replay(cache, ctx.model, ctx.captured)
+            exact = [i for i, layer in enumerate(cache.layers) if any(c.stored_exactly for c in getattr(layer, "codes", []))]
+            if exact:  # a codec budget below the exact set's bytes stores the layer as it is: not the budget asked
+                raise ValueError(f"method {self.name!r}: with keys at eval_keys_bits={bits} the values get "
+                                 f"budget={codec_budget:.4f}, too little for the exact tokens, so layers {exact} were "
+                                 f"stored exactly; lower the bits or raise the budget")
             spent = rewrite_keys(cache, ctx.captured, bits, group)
             held, full = fp16_totals(cache, spent)
             slack = config.budget - held / full
