@@ -133,7 +133,7 @@ class VarRateMethod:
             seconds = clock() - start
             return Compressed(cache, seconds, extra={"stored_bytes": press.layer_bytes()})
         if "eval_keys_bits" in self.spec:
-            return self._compress_with_quantized_keys(ctx, bases, config, start)
+            return self._compress_with_quantized_keys(ctx, bases, config, start, default_bases)
         extra = {}
         if config.signal == SURPRISAL:  # the extra forward is not counted: the library would reuse the prefill's
             head_seconds = surprisal(ctx.model, ctx.ids)  # final hidden states and pay only lm_head + log-softmax
@@ -154,8 +154,8 @@ class VarRateMethod:
                  "bases_sha256": weights_sha(bases)}
         return Compressed(cache, seconds, extra=extra)
 
-
-    def _compress_with_quantized_keys(self, ctx: Context, bases: Bases, config: VarRateConfig, start: float):
+    def _compress_with_quantized_keys(self, ctx: Context, bases: Bases, config: VarRateConfig, start: float,
+                                      default_bases: str):
         """`kivi_keys`: the codec at the budget less the quantized keys' share, once more to spend what is left."""
         from .kivi_keys import fp16_totals, rewrite_keys, share
 
@@ -169,7 +169,8 @@ class VarRateMethod:
             passes += 1
             cache = VarRateCache(bases, self.config_for(bases, budget=codec_budget), model_config=ctx.model.config)
             replay(cache, ctx.model, ctx.captured)
-            exact = [i for i, layer in enumerate(cache.layers) if any(c.stored_exactly for c in getattr(layer, "codes", []))]
+            exact = [i for i, layer in enumerate(cache.layers)
+                     if any(code.stored_exactly for code in getattr(layer, "codes", []))]
             if exact:  # a codec budget below the exact set's bytes stores the layer as it is: not the budget asked
                 raise ValueError(f"method {self.name!r}: with keys at eval_keys_bits={bits} the values get "
                                  f"budget={codec_budget:.4f}, too little for the exact tokens, so layers {exact} were "
@@ -185,7 +186,7 @@ class VarRateMethod:
         stored = {i: layers[i].bytes + spent_i for i, spent_i in spent.items()}
         extra = {"stored_bytes": stored, **rank_diagnostics(cache), "fraction_fp16": held / full,
                  "eval_keys_codec_budget": codec_budget, "eval_keys_passes": passes,
-                 "bases": self.spec.get("bases", "shipped"), "bases_sha256": weights_sha(bases)}
+                 "bases": self.spec.get("bases", default_bases), "bases_sha256": weights_sha(bases)}
         return Compressed(cache, seconds, extra=extra)
 
 
