@@ -25,22 +25,15 @@ import torch
 
 from hf_varrate.codec.rope import rotate_heads, unrotate_rows
 
-SCALE_BYTES = 4  # a group's fp16 min and step
+from .component_bits import SCALE_BYTES, quantize_columns
 
 
 def quantize_channels(keys: torch.Tensor, bits: int, group: int) -> torch.Tensor:
     """keys [C, W] (C tokens, W channels) quantized and decoded per channel over groups of `group` consecutive
-    rows, a min and step each; the last group is as short as it is (a partial group is quantized alone)."""
+    rows, a min and step each, a partial last group as if alone (`component_bits.quantize_columns`)."""
     if bits < 1 or bits > 8:
         raise ValueError(f"eval_keys_bits={bits!r}: must be an integer in 1..8")
-    out = torch.empty_like(keys)
-    levels = 2**bits - 1
-    for start in range(0, keys.shape[0], group):
-        block = keys[start:start + group]
-        lo, hi = block.amin(0, keepdim=True), block.amax(0, keepdim=True)
-        step = ((hi - lo) / levels).clamp_min(1e-30)
-        out[start:start + group] = ((block - lo) / step).round_().clamp_(0, levels).mul_(step).add_(lo)
-    return out
+    return quantize_columns(keys, bits, group)
 
 
 def key_bytes(count: int, channels: int, bits: int, group: int) -> int:
@@ -78,9 +71,3 @@ def rewrite_keys(cache, captured, bits: int, group: int) -> dict[int, int]:
         spent[i] = key_bytes(coded.numel(), heads * dim, bits, group)
     return spent
 
-
-def fp16_totals(cache, spent: dict[int, int]) -> tuple[int, int]:
-    """(bytes the compressed layers hold with K/V in fp16, the quantized keys included; their fp16 K/V bytes)."""
-    codes = [code for layer in cache.layers for code in getattr(layer, "codes", [])]
-    held = sum(code.nbytes(kv_bytes=2) for code in codes) + sum(spent.values())
-    return held, sum(code.full_nbytes(kv_bytes=2) for code in codes)

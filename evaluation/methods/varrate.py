@@ -157,7 +157,7 @@ class VarRateMethod:
     def _compress_with_quantized_keys(self, ctx: Context, bases: Bases, config: VarRateConfig, start: float,
                                       default_bases: str):
         """`kivi_keys`: the codec at the budget less the quantized keys' share, once more to spend what is left."""
-        from .kivi_keys import fp16_totals, rewrite_keys, share
+        from .kivi_keys import rewrite_keys, share
 
         bits, group = int(self.spec["eval_keys_bits"]), int(self.spec.get("eval_keys_group", 64))
         codec_budget = config.budget - share(bits, group)
@@ -176,7 +176,8 @@ class VarRateMethod:
                                  f"budget={codec_budget:.4f}, too little for the exact tokens, so layers {exact} were "
                                  f"stored exactly; lower the bits or raise the budget")
             spent = rewrite_keys(cache, ctx.captured, bits, group)
-            held, full = fp16_totals(cache, spent)
+            held, full = fp16_bytes(cache)
+            held += sum(spent.values())
             slack = config.budget - held / full
             if passes == 2 or slack <= 0.002:
                 break
@@ -197,13 +198,19 @@ def weights_sha(bases: Bases) -> str | None:
     return str(sha)[:12] if sha else None
 
 
-def fp16_fraction(cache) -> dict:
-    """What the compressed layers would hold with K/V in fp16 (`PromptCode.nbytes(kv_bytes=2)`), over fp16
-    K/V of the same layers. The models run in fp32 on CPU; with `budget_dtype: float16` this is the
-    fraction the budget was met in, and the one an fp16 deployment would measure."""
+def fp16_bytes(cache) -> tuple[int, int]:
+    """(bytes the compressed layers would hold with K/V in fp16, `PromptCode.nbytes(kv_bytes=2)`; fp16 K/V bytes of
+    the same layers)."""
     codes = [code for layer in cache.layers for code in getattr(layer, "codes", [])]
-    full = sum(code.full_nbytes(kv_bytes=2) for code in codes)
-    return {"fraction_fp16": sum(code.nbytes(kv_bytes=2) for code in codes) / full if full else None}
+    return sum(code.nbytes(kv_bytes=2) for code in codes), sum(code.full_nbytes(kv_bytes=2) for code in codes)
+
+
+def fp16_fraction(cache) -> dict:
+    """What the compressed layers would hold with K/V in fp16 (`fp16_bytes`), over fp16 K/V of the same layers. The
+    models run in fp32 on CPU; with `budget_dtype: float16` this is the fraction the budget was met in, and the one
+    an fp16 deployment would measure."""
+    held, full = fp16_bytes(cache)
+    return {"fraction_fp16": held / full if full else None}
 
 
 def rank_diagnostics(cache) -> dict:
