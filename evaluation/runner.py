@@ -3,12 +3,17 @@
 Results are appended to `examples.jsonl` one row per (example, regime, method) as soon as they
 exist; a rerun skips rows already there (resumable). A method that cannot run on a model (e.g.
 kvpress's KVzip on Gemma-3) is recorded once in `unsupported.json` and skipped for that model.
+Each stage a process runs is locked in the output (`stage-<i>.lock`, POSIX) for as long as the process runs, so
+two processes can share an output only with disjoint stages: a second process on a running stage is refused
+before it evaluates anything, where it would have appended a second copy of every row.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import time
 import traceback
 from pathlib import Path
@@ -27,7 +32,16 @@ from .methods.base import dynamic_from_capture
 from .prompts import encode
 from .tasks import build_examples, score
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: no locks, as run_info.json has none there
+    fcntl = None
+
 log = logging.getLogger("evaluation")
+
+
+class StageBusy(RuntimeError):
+    """Another process is running a stage this one was asked to run, into the same output."""
 
 
 def row_key(row: dict) -> tuple:
@@ -57,9 +71,36 @@ class Runner:
         threads = torch.get_num_threads()
         torch.set_num_threads(self.config.threads)
         try:
-            self._run(max_examples, stages)
+            with contextlib.ExitStack() as locks:
+                for i in range(len(self.config.stages)) if stages is None else stages:
+                    locks.enter_context(self.stage_lock(i))
+                self._run(max_examples, stages)
         finally:
             torch.set_num_threads(threads)
+
+    @contextlib.contextmanager
+    def stage_lock(self, index: int):
+        """Hold stage `index` of this output for this process (the lock file records its pid); StageBusy if
+        another process holds it. The lock goes with the process, however it ends."""
+        if fcntl is None:
+            yield
+            return
+        with open(self.out / f"stage-{index}.lock", "a+") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                lock.seek(0)
+                holder = lock.read().strip() or "another process"
+                raise StageBusy(f"stage {index} is being run into {self.out} by process {holder}; wait for it to "
+                                f"end, or pass --stages without {index} to run other stages beside it") from None
+            lock.seek(0)
+            lock.truncate()
+            lock.write(str(os.getpid()))
+            lock.flush()
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
 
     def _run(self, max_examples: int | None, stages: list[int] | None) -> None:
         count = 0

@@ -360,6 +360,46 @@ def test_runner_runs_only_the_picked_stages(tmp_path, monkeypatch):
     assert seen == [config.stages[10], config.stages[12]]
 
 
+def test_a_stage_running_in_one_process_is_refused_to_another_until_it_ends(tmp_path, monkeypatch):
+    """Two processes on one stage of one output would append every row twice: the second is refused before it
+    evaluates anything, by a message naming the stage, the holder and the way out; other stages stay free."""
+    from evaluation.config import load_config
+    from evaluation.runner import Runner, StageBusy
+
+    config = load_config(REPO / "evaluation/configs/full.yaml")
+    seen = []
+    monkeypatch.setattr(Runner, "wait_for_bases", lambda self, stage: None)
+    monkeypatch.setattr(Runner, "stage_examples", lambda self, stage: iter([stage]))
+    monkeypatch.setattr(Runner, "todo", lambda self, stage, example: ["row"])
+    monkeypatch.setattr(Runner, "evaluate", lambda self, stage, example, todo: seen.append(stage))
+    with Runner(config, tmp_path).stage_lock(3):  # a separate open file: flock refuses it as it would a process
+        with pytest.raises(StageBusy, match=rf"stage 3 is being run into {tmp_path} by process {os.getpid()};.*"
+                           r"--stages without 3"):
+            Runner(config, tmp_path).run(stages=[2, 3])
+        with pytest.raises(StageBusy, match="stage 3"):
+            Runner(config, tmp_path).run()  # every stage, as a process without --stages asks
+        assert seen == []
+        Runner(config, tmp_path).run(stages=[2])
+        assert seen == [config.stages[2]]
+    Runner(config, tmp_path).run(stages=[3])  # released when its holder ends
+    assert seen == [config.stages[2], config.stages[3]]
+
+
+def test_the_command_refuses_a_busy_stage_and_records_the_refusal(tmp_path, monkeypatch):
+    from evaluation import run
+    from evaluation.runner import Runner
+
+    monkeypatch.setattr(run, "write_report", lambda config, out, path: None)
+    with Runner(run.load_config(REPO / "evaluation/configs/smoke.yaml"), tmp_path).stage_lock(0):
+        with pytest.raises(SystemExit) as exit_:
+            run.main(["--config", str(REPO / "evaluation/configs/smoke.yaml"), "--out", str(tmp_path),
+                      "--stages", "0"])
+    assert exit_.value.code == 2
+    sessions = json.loads((tmp_path / "run_info.json").read_text())["sessions"]
+    assert [s["status"][:len("refused: stage 0")] for s in sessions] == ["refused: stage 0"]
+    assert not (tmp_path / "examples.jsonl").exists()
+
+
 @pytest.mark.parametrize("fails", [False, True])
 def test_runner_runs_at_the_configs_threads_and_gives_the_callers_back(tmp_path, monkeypatch, fails):
     from evaluation.config import load_config
