@@ -346,16 +346,23 @@ def test_stages_option_picks_stages_by_index_and_names_a_bad_one():
         parse_stages("7-5", 17)
 
 
+def stub_stages(monkeypatch, evaluate):
+    """The runner with one example a stage, no bases to wait for, and `evaluate` in place of the model."""
+    from evaluation.runner import Runner
+
+    monkeypatch.setattr(Runner, "wait_for_bases", lambda self, stage: None)
+    monkeypatch.setattr(Runner, "stage_examples", lambda self, stage: iter([stage]))
+    monkeypatch.setattr(Runner, "todo", lambda self, stage, example: ["row"])
+    monkeypatch.setattr(Runner, "evaluate", evaluate)
+
+
 def test_runner_runs_only_the_picked_stages(tmp_path, monkeypatch):
     from evaluation.config import load_config
     from evaluation.runner import Runner
 
     config = load_config(REPO / "evaluation/configs/full.yaml")
     seen = []
-    monkeypatch.setattr(Runner, "wait_for_bases", lambda self, stage: None)
-    monkeypatch.setattr(Runner, "stage_examples", lambda self, stage: iter([stage]))
-    monkeypatch.setattr(Runner, "todo", lambda self, stage, example: ["row"])
-    monkeypatch.setattr(Runner, "evaluate", lambda self, stage, example, todo: seen.append(stage))
+    stub_stages(monkeypatch, lambda self, stage, example, todo: seen.append(stage))
     Runner(config, tmp_path).run(stages=[10, 12])
     assert seen == [config.stages[10], config.stages[12]]
 
@@ -368,10 +375,7 @@ def test_a_stage_running_in_one_process_is_refused_to_another_until_it_ends(tmp_
 
     config = load_config(REPO / "evaluation/configs/full.yaml")
     seen = []
-    monkeypatch.setattr(Runner, "wait_for_bases", lambda self, stage: None)
-    monkeypatch.setattr(Runner, "stage_examples", lambda self, stage: iter([stage]))
-    monkeypatch.setattr(Runner, "todo", lambda self, stage, example: ["row"])
-    monkeypatch.setattr(Runner, "evaluate", lambda self, stage, example, todo: seen.append(stage))
+    stub_stages(monkeypatch, lambda self, stage, example, todo: seen.append(stage))
     with Runner(config, tmp_path).stage_lock(3):  # a separate open file: flock refuses it as it would a process
         with pytest.raises(StageBusy, match=rf"stage 3 is being run into {tmp_path} by process {os.getpid()};.*"
                            r"--stages without 3"):
@@ -415,10 +419,7 @@ def test_runner_runs_at_the_configs_threads_and_gives_the_callers_back(tmp_path,
         if fails:
             raise RuntimeError("a stage failed")
 
-    monkeypatch.setattr(Runner, "wait_for_bases", lambda self, stage: None)
-    monkeypatch.setattr(Runner, "stage_examples", lambda self, stage: iter([stage]))
-    monkeypatch.setattr(Runner, "todo", lambda self, stage, example: ["row"])
-    monkeypatch.setattr(Runner, "evaluate", evaluate)
+    stub_stages(monkeypatch, evaluate)
     if fails:
         with pytest.raises(RuntimeError, match="a stage failed"):
             Runner(config, tmp_path).run(stages=[0])
