@@ -162,8 +162,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-examples", type=int, help="stop after this many examples (for a quick look)")
     parser.add_argument("--stages", help="run only these stages: 0-based indices into the config's list, e.g. '10', "
                         "'11-' or '3,5-7'. Two processes may run disjoint stages into one output (rows are appended "
-                        "one line at a time), which on 2 cores with 1 thread each beats one process with 2 threads; a stage "
-                        "another process is running into the same output is refused")
+                        "one line at a time), which on 2 cores with 1 thread each beats one process with 2 threads; "
+                        "a stage another process is running into the same output is refused")
     parser.add_argument("--threads", type=int, help="torch threads (default: the config's `threads`)")
     parser.add_argument("--report-only", action="store_true", help="only rewrite tables and plots from the rows")
     args = parser.parse_args(argv)
