@@ -1,4 +1,4 @@
-"""Multi-key needles: what the codes lose where a key is bound to its value. `python -m studies.needle_attention`.
+"""Needles: what the codes lose where a key is bound to its value. `python -m studies.needle_attention`.
 
 `needle_confusions` showed that the `recommended` preset's wrong multi-key answers on Gemma-3 are
 mostly another planted needle's value: the number survives, the binding to its key does not. This
@@ -21,6 +21,12 @@ the preset's held-out splits use 200+), query-agnostic (the document compressed 
 
 `--set FIELD=VALUE` changes the method's spec (e.g. `--set signal=residual`: does a rank signal find
 the needle sentences?) and `--variants` picks the counterfactuals (the codes and the full cache always run).
+
+`--task niah_single` asks the same of single needles (one needle, so no "other" groups), and both tasks' tables
+add where in the document the error is (the prompt cut into tenths) and the answers by the asked needle's depth:
+do the codes lose early needles, and is it the needle's own code or the haystack between it and the question?
+
+    python -m studies.needle_attention --model smollm2-135m-instruct --task niah_single --n 40
 
 A diagnostic, not a result: nothing is chosen on it, and it runs outside the evaluation's examples.
 The tables of the runs the README cites are in docs/results/needle_attention/.
@@ -52,6 +58,9 @@ from hf_varrate.models import DEFAULT_MODELS, load_default_model
 
 from .needle_confusions import KINDS, NEEDLE_PATTERN, classify, planted, template_pattern
 
+TASKS = ("niah_multikey", "niah_single")
+EXACT = 2e-3  # a relative error below this is a token stored exactly (rounded to the cache's dtype), not coded
+TENTHS = 10  # the prompt is cut into this many equal spans for the error-by-position table
 PARTS = ("key words", "value", "rest")  # of a needle sentence: its "{key}", its "{value}", its other words
 ASKED_PATTERN = template_pattern(ANSWER_PREFIX, key=r"(\S+)")  # the asked key, in the tail's answer prefix
 GROUPS = (*(f"{who} {part}" for who in ("asked", "other") for part in PARTS), "haystack")
@@ -86,8 +95,9 @@ def token_groups(tokenizer, ids: list[int], asked: str) -> dict[str, torch.Tenso
         spans[f"{who} key words"].append(match.span(1))
         spans[f"{who} value"].append(match.span(2))
         spans[f"{who} rest"].append(match.span())
-    if len(spans["asked key words"]) != 1:
-        raise ValueError(f"the asked key {asked!r} is in {len(spans['asked key words'])} needles of the prompt, not 1")
+    if len(spans["asked key words"]) != 1 or len(ids) < TENTHS:
+        raise ValueError(f"the asked key {asked!r} is in {len(spans['asked key words'])} needles of the {len(ids)}-token "
+                         f"prompt, not 1 (or the prompt is shorter than {TENTHS} tokens)")
     group_of = ["haystack"] * len(ids)
     for position, (start, stop) in enumerate(encoded["offset_mapping"], start=lead):
         for group in GROUPS[:6]:  # first match wins: a key word is not also "rest"
@@ -129,7 +139,8 @@ def put_back(cache, exact, layers: list[int], which: str, positions: torch.Tenso
 
 
 def diagnose(model, tokenizer, model_name: str, example, method, variants=tuple(VARIANTS)) -> dict:
-    """Group errors and ranks, attention masses and counterfactual answers (`variants`) of one multi-key example."""
+    """Group errors and ranks, errors by position, attention masses and counterfactual answers (`variants`) of one
+    needle example."""
     seg = example.segments
     captured = capture(model, seg.context + seg.question + seg.tail)
     context = captured.prefix(len(seg.context))
@@ -137,7 +148,8 @@ def diagnose(model, tokenizer, model_name: str, example, method, variants=tuple(
     layers = full_attention_layers(model)
     asked = ASKED_PATTERN.search(tokenizer.decode(seg.tail)).group(1)
     groups = token_groups(tokenizer, seg.context, asked)
-    found = {**group_errors(context, cache, layers, groups), **answer_masses(model, captured, context, cache, groups)}
+    found = {"depth": example.meta["depth"], **group_errors(context, cache, layers, groups),
+             **position_errors(context, cache, layers), **answer_masses(model, captured, context, cache, groups)}
     answers = counterfactual_answers(model, tokenizer, example, context, cache, groups, variants)
     values = planted(tokenizer.decode(seg.context))
     found["answers"] = {k: classify(v, example.answers[0], values) for k, v in answers.items()}
@@ -147,19 +159,37 @@ def diagnose(model, tokenizer, model_name: str, example, method, variants=tuple(
 
 def group_errors(context, cache, layers: list[int], groups: dict) -> dict:
     """Per token group: key and value relative errors, the share of keys stored exactly, the coded tokens' mean rank."""
-    found = {}
+    found = {f"tokens: {group}": len(where) for group, where in groups.items()}
     for kind, exact in (("key", context.keys), ("value", context.values)):
         coded = {i: getattr(cache.layers[i], kind + "s")[0, :, : context.length] for i in layers}
         for group, where in groups.items():
+            if not len(where):  # a single needle has no "other" groups
+                continue
             errors = torch.stack([relative_error(exact[i][0][:, where], coded[i][:, where]) for i in layers])
             found[f"{kind} error: {group}"] = float(errors.mean())
             if kind == "key":
-                same = torch.stack([(exact[i][0][:, where] == coded[i][:, where]).all(dim=(0, 2)) for i in layers])
-                found[f"exact share: {group}"] = float(same.float().mean())
+                found[f"exact share: {group}"] = float((errors < EXACT).float().mean())
     for group, where in groups.items():  # the rank each layer's codes gave the group's coded tokens
+        if not len(where):
+            continue
         ranks = [ranks_at(cache.layers[i].codes[0], where, context.length) for i in layers]
         ranks = torch.cat([r for r in ranks if r is not None] or [torch.zeros(0)])
         found[f"mean rank: {group}"] = float(ranks.mean()) if ranks.numel() else None
+    return found
+
+
+def position_errors(context, cache, layers: list[int]) -> dict:
+    """Per tenth of the prompt (its first tokens in tenth 0): key and value relative errors and the share of keys
+    stored exactly (relative error below EXACT), over `layers`."""
+    found = {}
+    tenths = torch.arange(context.length) * TENTHS // context.length
+    for kind, exact in (("key", context.keys), ("value", context.values)):
+        errors = torch.stack([relative_error(exact[i][0], getattr(cache.layers[i], kind + "s")[0, :, : context.length])
+                              for i in layers])
+        for t in range(TENTHS):
+            found[f"{kind} error: tenth {t}"] = float(errors[:, tenths == t].mean())
+            if kind == "key":
+                found[f"exact share: tenth {t}"] = float((errors[:, tenths == t] < EXACT).float().mean())
     return found
 
 
@@ -176,6 +206,8 @@ def answer_masses(model, captured, context, cache, groups: dict) -> dict:
             weights = answer_attention(query, torch.cat([prompt_keys, tail_keys], dim=1), modules[i].scaling)
             for needle, parts in NEEDLES.items():
                 where = torch.cat([groups[g] for g in parts])
+                if not len(where):
+                    continue
                 found[f"attention {name} L{i}: {needle}"] = float(weights[:, where].sum(dim=1).mean())
     return found
 
@@ -198,21 +230,25 @@ def counterfactual_answers(model, tokenizer, example, context, cache, groups: di
 
 
 def summarize(results: list[dict], layers: list[int]) -> str:
-    """Markdown: per-group errors and exact shares, attention masses per layer, answers by kind per variant."""
-    mean = lambda key: sum(r[key] for r in results) / len(results)  # noqa: E731
+    """Markdown: per-group errors and exact shares, attention masses per layer, answers by kind per variant, and
+    (where the results have them) errors by tenth of the prompt and answers by the asked needle's depth."""
+    mean = lambda key, rows=results: sum(r[key] for r in rows) / len(rows)  # noqa: E731
 
     def rank(group: str) -> str:  # over the examples whose layers coded some of the group's tokens
         ranks = [r[f"mean rank: {group}"] for r in results if r.get(f"mean rank: {group}") is not None]
         return f" {sum(ranks) / len(ranks):.1f} |" if ranks else " n/a |"
 
+    groups = [g for g in GROUPS if any(r.get(f"tokens: {g}", 1) for r in results)]
+    needles = [n for n in NEEDLES if all(f"attention full L{layers[0]}: {n}" in r for r in results)]
     lines = ["| group | key rel. error | value rel. error | stored exactly | mean rank of its coded tokens |",
              "|---|---|---|---|---|"]
     lines += [f"| {g} | {mean(f'key error: {g}'):.3f} | {mean(f'value error: {g}'):.3f} | "
-              f"{mean(f'exact share: {g}'):.1%} |" + rank(g) for g in GROUPS]
-    lines += ["", "| layer | full: asked needle | full: other needles (3) | codes: asked needle | codes: other needles "
-              "|", "|---|---|---|---|---|"]
+              f"{mean(f'exact share: {g}'):.1%} |" + rank(g) for g in groups]
+    heads = [f"{name}: {needle}" + (" (3)" if needle == "other needles" else "") for name in ("full", "codes")
+             for needle in needles]
+    lines += ["", "| layer | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
     lines += [f"| {i} | " + " | ".join(f"{mean(f'attention {name} L{i}: {needle}'):.4f}" for name in ("full", "codes")
-                                      for needle in NEEDLES) + " |" for i in layers]
+                                      for needle in needles) + " |" for i in layers]
     lines += ["", "| variant | " + " | ".join(KINDS) + " | vs codes: +right / -right | vs full: +right / -right |",
               "|---|" + "---|" * (len(KINDS) + 2)]
     answers = [r["answers"] for r in results]
@@ -221,6 +257,31 @@ def summarize(results: list[dict], layers: list[int]) -> str:
         lines.append(f"| {variant} | " + " | ".join(str(count[k]) for k in KINDS) + " | "
                      + " | ".join("+{} / -{}".format(*flips(answers, variant, other)) for other in ("codes", "full"))
                      + " |")
+    if all("key error: tenth 0" in r for r in results):
+        lines += ["", "| tenth of the prompt | key rel. error | value rel. error | keys stored exactly |", "|---|---|---|---|"]
+        lines += [f"| {t} | {mean(f'key error: tenth {t}'):.3f} | {mean(f'value error: tenth {t}'):.3f} | "
+                  f"{mean(f'exact share: tenth {t}'):.1%} |" for t in range(TENTHS)]
+    if all("depth" in r for r in results):
+        lines += ["", depth_table(results, layers, list(answers[0]))]
+    return "\n".join(lines)
+
+
+def depth_table(results: list[dict], layers: list[int], variants: list[str]) -> str:
+    """Markdown: per fifth of the document the asked needle sits in, the examples each variant answers right, the
+    asked needle sentence's key error and its attention mass, mean over `layers`, over the full and the coded keys."""
+    fifths = collections.defaultdict(list)
+    for r in results:
+        fifths[min(int(r["depth"] * 5), 4)].append(r)
+    lines = ["| asked needle's depth | n | " + " | ".join(f"right: {v}" for v in variants)
+             + " | key error: asked needle | attention full | attention codes |",
+             "|---|---|" + "---|" * (len(variants) + 3)]
+    for fifth, rows in sorted(fifths.items()):
+        right = [sum(r["answers"][v] == "right" for r in rows) for v in variants]
+        error = sum(r["key error: asked rest"] for r in rows) / len(rows)
+        mass = {name: sum(r[f"attention {name} L{i}: asked needle"] for r in rows for i in layers)
+                / (len(rows) * len(layers)) for name in ("full", "codes")}
+        lines.append(f"| {fifth / 5:.1f}-{(fifth + 1) / 5:.1f} | {len(rows)} | " + " | ".join(map(str, right))
+                     + f" | {error:.3f} | {mass['full']:.4f} | {mass['codes']:.4f} |")
     return "\n".join(lines)
 
 
@@ -233,6 +294,7 @@ def flips(answers: list[dict], variant: str, other: str) -> tuple[int, int]:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gemma-3-270m", choices=sorted(DEFAULT_MODELS))
+    parser.add_argument("--task", default="niah_multikey", choices=TASKS)
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--n", type=int, default=40, help="examples first .. first + n - 1")
     parser.add_argument("--first", type=int, default=100, help="the first example (default: the development split)")
@@ -284,14 +346,14 @@ def main(argv=None) -> int:
         (out / "examples.jsonl").write_text("")
     results = []
     torch.set_grad_enabled(False)
-    for example in build_examples("niah_multikey", tokenizer, chat, args.length, args.n, first=args.first):
+    for example in build_examples(args.task, tokenizer, chat, args.length, args.n, first=args.first):
         results.append(diagnose(model, tokenizer, args.model, example, method, variants))
         print(example.example_id, results[-1]["answers"], flush=True)
         if out:
             with (out / "examples.jsonl").open("a") as f:
                 f.write(json.dumps({"example_id": example.example_id, **results[-1]}, sort_keys=True) + "\n")
     command = "python -m studies.needle_attention " + shlex.join(argv if argv is not None else sys.argv[1:])
-    summary = (f"# {args.model}, niah_multikey at {args.length}, examples {args.first}-{args.first + args.n - 1}, "
+    summary = (f"# {args.model}, {args.task} at {args.length}, examples {args.first}-{args.first + args.n - 1}, "
                f"query-agnostic, {name}\n\n`{command}`; full-attention layers {full_attention_layers(model)}; "
                f"attention: at the token that predicts the answer, mean over query heads\n\n"
                + summarize(results, full_attention_layers(model)) + "\n")

@@ -95,6 +95,41 @@ def test_needle_attention_counts_paired_flips_per_variant():
     assert "| codes | 2 | 2 | 0 | 0 | +0 / -0 | +1 / -2 |" in table
 
 
+def test_needle_attention_groups_a_single_needle_with_no_other_groups(smollm2):
+    from studies.needle_attention import ASKED_PATTERN, token_groups
+    from evaluation.tasks import build_examples
+
+    _, tokenizer = smollm2
+    example = build_examples("niah_single", tokenizer, True, 512, 1)[0]
+    ids = example.segments.context
+    groups = token_groups(tokenizer, ids, ASKED_PATTERN.search(tokenizer.decode(example.segments.tail)).group(1))
+    assert tokenizer.decode([ids[i] for i in groups["asked value"]]).strip() == example.answers[0]
+    assert all(len(groups[g]) == 0 for g in groups if g.startswith("other"))
+    assert sum(map(len, groups.values())) == len(ids)
+
+
+def test_needle_attention_places_the_error_in_its_tenth_of_the_prompt_and_tables_answers_by_depth():
+    from types import SimpleNamespace
+
+    from studies.needle_attention import depth_table, position_errors
+
+    torch.manual_seed(0)
+    exact = torch.randn(1, 2, 20, 4)
+    coded = exact.clone()
+    coded[:, :, 2:4] += 0.5 * torch.randn(1, 2, 2, 4)  # positions 2-3: the prompt's second tenth of 20 tokens
+    context = SimpleNamespace(length=20, keys={0: exact}, values={0: exact})
+    found = position_errors(context, SimpleNamespace(layers=[SimpleNamespace(keys=coded, values=exact)]), [0])
+    assert found["key error: tenth 1"] > 0.1 and found["exact share: tenth 1"] == 0.0
+    assert all(found[f"key error: tenth {t}"] == 0 and found[f"exact share: tenth {t}"] == 1 for t in (0, *range(2, 10)))
+    assert all(found[f"value error: tenth {t}"] == 0 for t in range(10))
+    row = lambda depth, codes: {"depth": depth, "answers": {"full": "right", "codes": codes},  # noqa: E731
+                                "key error: asked rest": 0.1, "attention full L3: asked needle": 0.02,
+                                "attention codes L3: asked needle": 0.01}
+    table = depth_table([row(0.1, "not planted"), row(0.1, "right"), row(0.9, "right")], [3], ["full", "codes"])
+    assert "| 0.0-0.2 | 2 | 2 | 1 | 0.100 | 0.0200 | 0.0100 |" in table
+    assert "| 0.8-1.0 | 1 | 1 | 1 |" in table
+
+
 def test_needle_attention_refuses_a_malformed_override_or_an_unknown_variant_before_loading_a_model():
     from studies.needle_attention import main
 
