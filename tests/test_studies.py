@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import math
 import re
 from pathlib import Path
 
@@ -151,6 +153,33 @@ def test_needle_attention_names_its_method_with_the_overrides_it_ran():
     assert name == "recommended@0.2 with budget=0.1" and method.spec["budget"] == 0.1
     assert variants == ["codes", "exact values: all"]
     assert chosen_method(parse_args([]))[1] == "recommended@0.2"
+
+def test_needle_depths_pairs_two_methods_by_example_and_contrasts_early_needles_with_late_ones(tmp_path):
+    from studies.needle_depths import contrast, main, paired_rows, table
+
+    row = lambda method, i, depth, score, nll: {"model": "m", "length": 8, "regime": "r", "task": "t",  # noqa: E731
+                                                "example_id": f"t-{i}", "method": method, "depth": depth,
+                                                "score": score, "answer_nll": nll}
+    rows = [row("full", i, d, 1.0, 0.1) for i, d in enumerate([0.1, 0.1, 0.9, 0.9])]
+    rows += [row("codes", 0, 0.1, 0.0, 0.5), row("codes", 1, 0.1, 1.0, 0.3), row("codes", 2, 0.9, 1.0, 0.1),
+             row("codes", 3, 0.9, 1.0, 0.0), row("other", 4, 0.5, 1.0, 0.0)]  # example 4: one method only
+    pairs = paired_rows(rows, "codes", "full")
+    assert [(d, s, round(n, 3)) for d, s, n in pairs[("m", 8, "r", "t")]] == [
+        (0.1, -100.0, -0.4), (0.1, 0.0, -0.2), (0.9, 0.0, 0.0), (0.9, 0.0, 0.1)]  # NLL: positive, A surer
+    mean, low, high = contrast([-0.4, -0.2], [0.0, 0.1], samples=2000)
+    assert mean == pytest.approx(-0.35) and low <= -0.35 <= high and high < 0
+    assert all(math.isnan(x) for x in contrast([1.0], [0.0, 1.0])[1:])  # one early example: no interval
+    text = table("cell", pairs[("m", 8, "r", "t")], 0.4, 0.6, 2000)
+    assert "| 0.0-0.2 | 2 | -50.0 [-100.0, +0.0] | -0.300 [-0.400, -0.200] |" in text
+    assert "| 0.8-1.0 | 2 | +0.0 [+0.0, +0.0] |" in text and "n = 2 / 2" in text and "answer NLL -0.350 [" in text
+    (tmp_path / "examples.jsonl").write_text("\n".join(map(json.dumps, rows)) + "\n")
+    with pytest.raises(SystemExit, match="no needle example that both --a 'codes' and --b 'peer'"):
+        main(["--results", str(tmp_path), "--a", "codes", "--b", "peer"])
+    with pytest.raises(SystemExit, match="need 0 < early <= late < 1"):
+        main(["--results", str(tmp_path), "--early", "0.7"])
+    with pytest.raises(SystemExit, match="does not exist"):
+        main(["--results", str(tmp_path / "none")])
+
 
 def test_kept_digits_counts_the_layer_heads_whose_pruned_keys_hold_each_position():
     from types import SimpleNamespace
