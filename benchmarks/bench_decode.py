@@ -27,17 +27,18 @@ from transformers import DynamicCache
 import common
 import hf_varrate
 from hf_varrate import VarRateCache
+from hf_varrate.binding import cache_kwarg
 from hf_varrate.codec import native
 from hf_varrate.config import PRESETS
 
 
 def decode(model, cache, first: torch.Tensor, new: int) -> tuple[list[float], list[int]]:
     """Greedy decode `new` tokens; per-step seconds and the tokens."""
-    steps, tokens, token = [], [], first
+    steps, tokens, token, name = [], [], first, cache_kwarg(model)
     with torch.no_grad():
         for _ in range(new):
             start = common.clock()
-            logits = model(token, past_key_values=cache, logits_to_keep=1).logits
+            logits = model(token, logits_to_keep=1, **{name: cache}).logits
             token = logits[:, -1:].argmax(-1)
             steps.append(common.clock() - start)
             tokens.append(int(token))

@@ -22,12 +22,14 @@ from transformers import DynamicCache
 
 import common
 from hf_varrate import VarRateCache, bind
+from hf_varrate.binding import cache_kwarg
 
 
 def first_token(model, ids, cache) -> tuple[float, int]:
+    name = cache_kwarg(model)
     start = time.perf_counter()
     with torch.no_grad():
-        token = model(ids, past_key_values=cache, logits_to_keep=1).logits[:, -1].argmax(-1)
+        token = model(ids, logits_to_keep=1, **{name: cache}).logits[:, -1].argmax(-1)
         if hasattr(cache, "compress"):
             cache.compress()  # a document is coded once its prefill ends; the question after it is not
     return time.perf_counter() - start, int(token)

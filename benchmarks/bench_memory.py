@@ -81,6 +81,7 @@ def child(config: str, args) -> dict:
     from transformers import DynamicCache
 
     from hf_varrate import VarRateCache, bind
+    from hf_varrate.binding import cache_kwarg
 
     common.set_threads(args.threads)
     model, tokenizer = common.load(args.model, args.dtype)
@@ -100,9 +101,10 @@ def child(config: str, args) -> dict:
         storage, _, bits = config.removesuffix("+codes").partition("-")
         cache = VarRateCache(bases, model=model, budget=args.budget, storage=storage,
                              coef_bits=int(bits.removesuffix("bit")) if bits else None)
+    name = cache_kwarg(model)
     sampler.start()
     with torch.no_grad():
-        logits = model(ids, past_key_values=cache, logits_to_keep=1).logits
+        logits = model(ids, logits_to_keep=1, **{name: cache}).logits
         if isinstance(cache, VarRateCache):
             cache.compress()  # the prompt is coded now, not at the first decoding step
     prefill_peak = sampler.stop()
@@ -112,7 +114,7 @@ def child(config: str, args) -> dict:
     sampler.start()
     with torch.no_grad():
         for _ in range(args.new):
-            token = model(token, past_key_values=cache, logits_to_keep=1).logits[:, -1:].argmax(-1)
+            token = model(token, logits_to_keep=1, **{name: cache}).logits[:, -1:].argmax(-1)
     decode_peak = sampler.stop()
     settle()
     after_decode = sampler.rss()

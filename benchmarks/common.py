@@ -25,6 +25,7 @@ if str(REPO) not in sys.path:  # the scripts run as files; evaluation/ (the capt
     sys.path.append(str(REPO))  # appended: an earlier hf_varrate on PYTHONPATH (bench_versions.py) still wins
 
 from evaluation.capture import Captured, capture, replay  # noqa: E402
+from hf_varrate.binding import cache_kwarg  # noqa: E402
 
 
 # environment ---------------------------------------------------------------------------------------------
@@ -178,9 +179,10 @@ def timed_forward(model, ids: torch.Tensor, cache, handles=()) -> float:
     VarRateCache then holds (`compress()`: what a prefill that is reused costs); the hook `handles` are
     removed afterwards, whatever happens."""
     try:
+        name = cache_kwarg(model)
         start = clock()
         with torch.no_grad():
-            model(ids, past_key_values=cache, logits_to_keep=1)
+            model(ids, logits_to_keep=1, **{name: cache})
             if hasattr(cache, "compress"):
                 cache.compress()
         return clock() - start

@@ -21,7 +21,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_varrate import VarRateLayer
-from hf_varrate.binding import attention_modules
+from hf_varrate.binding import attention_modules, cache_kwarg
 
 
 @dataclass
@@ -105,7 +105,8 @@ def capture(model, ids, *, timer=clock, hidden_tail: int | None = None) -> Captu
     try:
         start = timer()
         with torch.no_grad():
-            decoder(model)(input_ids=torch.as_tensor(ids).view(1, -1), past_key_values=cache, use_cache=True)
+            inner = decoder(model)
+            inner(input_ids=torch.as_tensor(ids).view(1, -1), use_cache=True, **{cache_kwarg(inner): cache})
         seconds = timer() - start
     finally:
         for handle in handles:

@@ -20,7 +20,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from hf_varrate.binding import attention_modules
+from hf_varrate.binding import attention_modules, cache_kwarg
 
 
 @contextlib.contextmanager
@@ -54,13 +54,12 @@ def greedy_answer(model, tokenizer, cache, masks, tail: list[int], start: int, m
     generated = []
     with torch.no_grad(), installed_masks(model, masks):
         token = int(feed(model, cache, tail, start)[0, -1].argmax())
-        position = start + len(tail)
+        position, name = start + len(tail), cache_kwarg(model)
         while True:
             generated.append(token)
             if token in stops or len(generated) >= max_new_tokens:
                 break
-            out = model(input_ids=torch.tensor([[token]]), past_key_values=cache,
-                        position_ids=torch.tensor([[position]]))
+            out = model(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[position]]), **{name: cache})
             token, position = int(out.logits[0, -1].argmax()), position + 1
     return tokenizer.decode(generated, skip_special_tokens=True).strip()
 
@@ -95,11 +94,11 @@ def answer_nll(model, cache, masks, tail: list[int], answer: list[int], start: i
 def feed(model, cache, tail: list[int], start: int, logits_to_keep: int = 1) -> torch.Tensor:
     """Logits [1, len(tail) or logits_to_keep, V] of `tail` at positions start.. read through `cache`: one
     forward, or one forward per token where the layers disagree on the cache's length (see above)."""
-    positions = torch.arange(start, start + len(tail))[None]
+    positions, name = torch.arange(start, start + len(tail))[None], cache_kwarg(model)
     if len(tail) == 1 or _lengths_agree(cache):
-        return model(input_ids=torch.tensor([tail]), past_key_values=cache, position_ids=positions,
-                     logits_to_keep=logits_to_keep).logits
-    logits = [model(input_ids=torch.tensor([[token]]), past_key_values=cache, position_ids=positions[:, i : i + 1]).logits
+        return model(input_ids=torch.tensor([tail]), position_ids=positions, logits_to_keep=logits_to_keep,
+                     **{name: cache}).logits
+    logits = [model(input_ids=torch.tensor([[token]]), position_ids=positions[:, i : i + 1], **{name: cache}).logits
               for i, token in enumerate(tail)]
     logits = torch.cat(logits, dim=1)
     return logits if logits_to_keep == 0 else logits[:, -logits_to_keep:]

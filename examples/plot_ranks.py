@@ -47,7 +47,7 @@ def main():
     for label, ids in [("query-aware (question in the prompt)", doc_ids + q_ids), ("query-agnostic (document alone)", doc_ids)]:
         cache = VarRateCache.from_pretrained("smollm2-135m-instruct", model=model, budget=args.budget)
         with torch.no_grad():
-            model(torch.tensor([ids]), past_key_values=cache, logits_to_keep=1)
+            model(torch.tensor([ids]), cache=cache, logits_to_keep=1)  # past_key_values= before 5.24
         cache.compress()
         ax.plot(mean_ranks(cache, len(ids)).numpy(), lw=0.6, label=label)
     needle = len(chat_parts(tokenizer, text[: text.index(fact)], "")[0])

@@ -10,6 +10,7 @@ cache, and outside the prefill, the hook does nothing. Nothing is patched: `unbi
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 
 import torch
@@ -23,6 +24,13 @@ from .layers import PrefillContext, VarRateLayer
 def attention_modules(model) -> list[torch.nn.Module]:
     """The model's self-attention modules: those with q_proj, k_proj and a layer_idx."""
     return [m for m in model.modules() if hasattr(m, "q_proj") and hasattr(m, "k_proj") and hasattr(m, "layer_idx")]
+
+
+def cache_kwarg(model) -> str:
+    """The name `model`'s forward (and so generate) takes the cache by: transformers 5.24 renamed `past_key_values`
+    to `cache` (the old name still works, with a FutureWarning, until 6.0), so code that runs on both passes
+    `**{cache_kwarg(model): cache}`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def bind(model):

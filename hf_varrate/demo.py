@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.util
-import inspect
 import json
 import random
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 import torch
 
 from .attention import ATTENTION
+from .binding import cache_kwarg
 from .cache import VarRateCache
 from .config import PRESETS
 from .models import load_default_model
@@ -89,12 +89,6 @@ def prefill(model, cache, doc_ids) -> float:
         if isinstance(cache, VarRateCache):
             cache.compress()  # the document ends here: code it now, so no question is coded with it
     return time.perf_counter() - start
-
-
-def cache_kwarg(model) -> str:
-    """The name the model's forward (and so generate) takes the cache by: transformers 5.24 renamed
-    `past_key_values` to `cache` (the old name still works, with a FutureWarning, until 6.0)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def main(argv=None, prog: str | None = None) -> int:

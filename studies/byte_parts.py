@@ -16,6 +16,7 @@ import argparse
 import torch
 
 from hf_varrate import VarRateCache
+from hf_varrate.binding import cache_kwarg
 from hf_varrate.models import DEFAULT_MODELS
 from hf_varrate.shipped import SHIPPED_ROOT
 
@@ -27,7 +28,7 @@ PARTS = ("exact", "codes", "scales", "anchor_indices", "ranks")
 def prompt_parts(model, ids: torch.Tensor, folder, budget: float) -> tuple[dict[str, int], int]:
     """({part: bytes} summed over the coded layers at fp16 K/V, the same layers' fp16 K/V bytes)."""
     cache = VarRateCache.from_pretrained(folder, model=model, budget=budget, budget_dtype="float16")
-    model(input_ids=ids, past_key_values=cache, logits_to_keep=1)
+    model(input_ids=ids, logits_to_keep=1, **{cache_kwarg(model): cache})
     cache.compress()
     totals, full = dict.fromkeys(PARTS, 0), 0
     for layer in cache.layers:

@@ -12,7 +12,8 @@ import argparse
 import torch
 
 from hf_varrate import VarRateCache
-from hf_varrate.demo import FACTS, cache_kwarg, essay_text, plant
+from hf_varrate.binding import cache_kwarg
+from hf_varrate.demo import FACTS, essay_text, plant
 from hf_varrate.models import load_default_model
 
 

@@ -16,6 +16,7 @@ import argparse
 import torch
 
 from hf_varrate import VarRateCache
+from hf_varrate.binding import cache_kwarg
 from hf_varrate.calibration.sensitivity import layers_scaled
 from hf_varrate.calibration.texts import load_texts
 from hf_varrate.models import load_default_model
@@ -26,7 +27,7 @@ def spend(model, ids, folder, budget: float, scales: dict[int, float]) -> tuple[
     """({scale: (layers, mean rank per coded token)}, the footprint's prompt fraction) of one coded prefill."""
     cache = VarRateCache.from_pretrained(folder, model=model, budget=budget)
     with layers_scaled(cache.bases, lambda i: scales[i]), torch.no_grad():
-        model(input_ids=ids, past_key_values=cache, logits_to_keep=1)
+        model(input_ids=ids, logits_to_keep=1, **{cache_kwarg(model): cache})
         cache.compress()
     ranks: dict[float, list[float]] = {}
     for i, layer in enumerate(cache.layers):

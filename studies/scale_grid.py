@@ -21,6 +21,7 @@ import argparse
 import torch
 
 from hf_varrate import VarRateCache
+from hf_varrate.binding import cache_kwarg
 from hf_varrate.codec.codes import SCALE_DTYPE, scale_count
 from hf_varrate.models import DEFAULT_MODELS
 from hf_varrate.shipped import SHIPPED_ROOT
@@ -46,7 +47,7 @@ def grid_entries(ranks: torch.Tensor, tokens: int) -> tuple[int, int, int, float
 
 def count(model, ids: torch.Tensor, folder, budget: float, overrides: dict) -> dict[str, float]:
     cache = VarRateCache.from_pretrained(folder, model=model, budget=budget, budget_dtype="float16", **overrides)
-    model(input_ids=ids, past_key_values=cache, logits_to_keep=1)
+    model(input_ids=ids, logits_to_keep=1, **{cache_kwarg(model): cache})
     cache.compress()
     config, found = cache.config, dict.fromkeys(("ragged", "dense", "by rank", "budgeted", "coefficients",
                                                    "spread"), 0.0)

@@ -189,10 +189,10 @@ def test_gemma3_keeps_sliding_layers_and_compresses_full_ones(tiny_gemma3):
     assert all(layer.fraction < 0.45 for layer in fp.layers if layer.kind == "varrate")
 
 
-def test_the_demo_hands_the_cache_over_by_the_name_this_transformers_takes(tiny_llama):
+def test_the_cache_is_handed_over_by_the_name_this_transformers_takes(tiny_llama):
     """transformers 5.24 renamed generate's past_key_values= to cache= (the old name warns until 6.0, the new
-    one fails before 5.24): `demo.cache_kwarg` picks the one that works here, without a warning."""
-    from hf_varrate.demo import cache_kwarg
+    one fails before 5.24): `binding.cache_kwarg` picks the one that works here, without a warning."""
+    from hf_varrate.binding import cache_kwarg
 
     ids = prompt(tiny_llama)
     cache = make_cache(tiny_llama, budget=0.4)
@@ -202,3 +202,18 @@ def test_the_demo_hands_the_cache_over_by_the_name_this_transformers_takes(tiny_
             tiny_llama.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0,
                                 **{cache_kwarg(tiny_llama): cache})
     assert cache.get_seq_length() == ids.shape[1] + 2 and cache.footprint().fraction < 1
+
+
+def test_measuring_layer_sensitivity_passes_its_caches_without_a_deprecation_warning(tiny_llama):
+    """`hf-varrate measure-layers` prefills and reads back through caches: by the name this transformers takes."""
+    from transformers import DynamicCache
+
+    from hf_varrate.calibration.sensitivity import _prefill, _read_back
+
+    ids = prompt(tiny_llama)[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        cache = _prefill(tiny_llama, ids[:-2], DynamicCache(config=tiny_llama.config))
+        kv = {i: (layer.keys, layer.values) for i, layer in enumerate(cache.layers)}
+        log_probs = _read_back(tiny_llama, kv, ids[-2:], len(ids) - 2)
+    assert cache.get_seq_length() == len(ids) - 2 and log_probs.shape[0] == 2

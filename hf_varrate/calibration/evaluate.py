@@ -9,7 +9,6 @@ the mean over compressed layers, separately for keys and values.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -17,7 +16,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from ..bases import Bases
-from ..binding import bound_as_found
+from ..binding import bound_as_found, cache_kwarg
 from ..cache import VarRateCache
 from ..layers import VarRateLayer
 from ..config import VarRateConfig
@@ -64,17 +63,12 @@ def _run_both(model, bases, config, ids):
     ids = ids.reshape(1, -1).to(device)
     exact = DynamicCache(config=model.config)
     cache = VarRateCache(bases, config, model_config=model.config)
-    name = cache_argument(model)
+    name = cache_kwarg(model)
     with torch.no_grad():
         model(input_ids=ids, use_cache=True, logits_to_keep=1, **{name: exact})
         model(input_ids=ids, use_cache=True, logits_to_keep=1, **{name: cache})
         cache.compress()
     return exact, cache
-
-
-def cache_argument(model) -> str:
-    """`cache` in transformers >= 5.x releases that renamed it, `past_key_values` before."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _squared_errors(layer: VarRateLayer, exact_layer) -> torch.Tensor:

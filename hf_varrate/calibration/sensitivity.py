@@ -29,7 +29,7 @@ from transformers import DynamicCache
 
 from ..bases import Bases, read_artifact
 from ..bases_checks import ARTIFACT_FILES, CARD_NAME, CONFIG_NAME, WEIGHTS_NAME, check_metadata
-from ..binding import bound_as_found
+from ..binding import bound_as_found, cache_kwarg
 from ..cache import VarRateCache
 from ..card import render_card
 from ..codec.layer_budget import recorded_scales
@@ -125,7 +125,8 @@ def layers_scaled(bases: Bases, scale):
 def _prefill(model, ids: torch.Tensor, cache):
     """`cache` after a prefill of `ids` (the last position's logits only: all of them would be [S, vocabulary])."""
     with torch.no_grad():
-        model(input_ids=ids.view(1, -1).to(model.device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=ids.view(1, -1).to(model.device), use_cache=True, logits_to_keep=1,
+              **{cache_kwarg(model): cache})
     return cache
 
 
@@ -141,8 +142,8 @@ def _read_back(model, kv: dict, tokens: torch.Tensor, start: int, record: list |
         cache.update(*kv[i], i)
     positions = torch.arange(start, start + len(tokens), device=model.device)[None]
     with torch.no_grad(), _decoder_layers_replayed(model, record, reuse):
-        logits = model(input_ids=tokens.view(1, -1).to(model.device), past_key_values=cache, position_ids=positions,
-                       logits_to_keep=0).logits
+        logits = model(input_ids=tokens.view(1, -1).to(model.device), position_ids=positions, logits_to_keep=0,
+                       **{cache_kwarg(model): cache}).logits
     return F.log_softmax(logits[0].float(), dim=-1)
 
 
