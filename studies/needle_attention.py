@@ -15,7 +15,9 @@ the preset's held-out splits use 200+), query-agnostic (the document compressed 
 3. counterfactual answers: the compressed cache with one group's keys or values put back exact
    (everything else still coded), answered greedily as the runner does, each counted against the
    codes as they are and against the full cache in paired flips (+: examples it gets right that the
-   other does not; -: the reverse). A group whose exact keys move the answers is where the binding is lost.
+   other does not; -: the reverse), and the right answer's teacher-forced NLL beside the full cache's (the
+   evaluation's `answer_nll`, signed as its report signs it: positive, surer than the full cache), which moves
+   where no answer flips. A group whose exact keys move the answers is where the binding is lost.
 
     python -m studies.needle_attention --n 40 --out studies/runs/needle_attention/gemma-3-270m-L4096-dev
 
@@ -47,10 +49,12 @@ import yaml
 
 from evaluation.capture import capture, full_attention_layers
 from evaluation.config import REPO, load_config
-from evaluation.generate import greedy_answer
+from evaluation.generate import answer_nll, greedy_answer
 from evaluation.methods import Context, make_method
 from evaluation.methods.base import dynamic_from_capture
+from evaluation.prompts import encode
 from evaluation.run import quiet
+from evaluation.stats import bootstrap_mean_ci
 from evaluation.tasks import build_examples
 from evaluation.tasks.needle import ANSWER_PREFIX
 from hf_varrate.binding import attention_modules, window_queries
@@ -96,8 +100,8 @@ def token_groups(tokenizer, ids: list[int], asked: str) -> dict[str, torch.Tenso
         spans[f"{who} value"].append(match.span(2))
         spans[f"{who} rest"].append(match.span())
     if len(spans["asked key words"]) != 1 or len(ids) < TENTHS:
-        raise ValueError(f"the asked key {asked!r} is in {len(spans['asked key words'])} needles of the {len(ids)}-token "
-                         f"prompt, not 1 (or the prompt is shorter than {TENTHS} tokens)")
+        raise ValueError(f"the asked key {asked!r} is in {len(spans['asked key words'])} needles of the "
+                         f"{len(ids)}-token prompt, not 1 (or the prompt is shorter than {TENTHS} tokens)")
     group_of = ["haystack"] * len(ids)
     for position, (start, stop) in enumerate(encoded["offset_mapping"], start=lead):
         for group in GROUPS[:6]:  # first match wins: a key word is not also "rest"
@@ -150,7 +154,7 @@ def diagnose(model, tokenizer, model_name: str, example, method, variants=tuple(
     groups = token_groups(tokenizer, seg.context, asked)
     found = {"depth": example.meta["depth"], **group_errors(context, cache, layers, groups),
              **position_errors(context, cache, layers), **answer_masses(model, captured, context, cache, groups)}
-    answers = counterfactual_answers(model, tokenizer, example, context, cache, groups, variants)
+    answers, found["answer nll"] = counterfactual_answers(model, tokenizer, example, context, cache, groups, variants)
     values = planted(tokenizer.decode(seg.context))
     found["answers"] = {k: classify(v, example.answers[0], values) for k, v in answers.items()}
     found["predictions"] = answers
@@ -212,11 +216,15 @@ def answer_masses(model, captured, context, cache, groups: dict) -> dict:
     return found
 
 
-def counterfactual_answers(model, tokenizer, example, context, cache, groups: dict, variants) -> dict[str, str]:
-    """Greedy answers from the full cache and from the codes with each variant's groups put back exact."""
+def counterfactual_answers(model, tokenizer, example, context, cache, groups: dict, variants) -> tuple[dict, dict]:
+    """({variant: greedy answer}, {variant: the right answer's mean NLL an answer token, teacher-forced}) from the
+    full cache and from the codes with each variant's groups put back exact; the NLL is the graded measure the
+    runner's `answer_nll` is, so a variant that moves no answer can still be seen to move the model's certainty."""
     seg, layers = example.segments, full_attention_layers(model)
     fed, start, new = seg.fed_after("query_agnostic"), len(seg.context), example.max_new_tokens
+    right = encode(tokenizer, " " + example.answers[0])
     full = dynamic_from_capture(model, context)
+    nlls = {"full": answer_nll(model, full, None, fed, right, start)}
     answers = {"full": greedy_answer(model, tokenizer, full, None, fed, start, new, copy_cache=False)}
     for variant in variants:
         which, names = VARIANTS[variant]
@@ -225,8 +233,9 @@ def counterfactual_answers(model, tokenizer, example, context, cache, groups: di
             positions = torch.cat([groups[g] for g in names])
             exact = context.keys if which == "keys" else context.values
             variant_cache = put_back(cache, exact, layers, which, positions)
+        nlls[variant] = answer_nll(model, variant_cache, None, fed, right, start)
         answers[variant] = greedy_answer(model, tokenizer, variant_cache, None, fed, start, new)
-    return answers
+    return answers, nlls
 
 
 def summarize(results: list[dict], layers: list[int]) -> str:
@@ -249,16 +258,18 @@ def summarize(results: list[dict], layers: list[int]) -> str:
     lines += ["", "| layer | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
     lines += [f"| {i} | " + " | ".join(f"{mean(f'attention {name} L{i}: {needle}'):.4f}" for name in ("full", "codes")
                                       for needle in needles) + " |" for i in layers]
-    lines += ["", "| variant | " + " | ".join(KINDS) + " | vs codes: +right / -right | vs full: +right / -right |",
-              "|---|" + "---|" * (len(KINDS) + 2)]
+    graded = all("answer nll" in r for r in results)
+    lines += ["", "| variant | " + " | ".join(KINDS) + " | vs codes: +right / -right | vs full: +right / -right |"
+              + (" answer NLL vs full (nats; +: surer) |" if graded else ""), "|---|" + "---|" * (len(KINDS) + 2 + graded)]
     answers = [r["answers"] for r in results]
     for variant in answers[0]:
         count = collections.Counter(a[variant] for a in answers)
         lines.append(f"| {variant} | " + " | ".join(str(count[k]) for k in KINDS) + " | "
                      + " | ".join("+{} / -{}".format(*flips(answers, variant, other)) for other in ("codes", "full"))
-                     + " |")
+                     + " |" + (f" {nll_gap(results, variant)} |" if graded else ""))
     if all("key error: tenth 0" in r for r in results):
-        lines += ["", "| tenth of the prompt | key rel. error | value rel. error | keys stored exactly |", "|---|---|---|---|"]
+        lines += ["", "| tenth of the prompt | key rel. error | value rel. error | keys stored exactly |",
+                  "|---|---|---|---|"]
         lines += [f"| {t} | {mean(f'key error: tenth {t}'):.3f} | {mean(f'value error: tenth {t}'):.3f} | "
                   f"{mean(f'exact share: tenth {t}'):.1%} |" for t in range(TENTHS)]
     if all("depth" in r for r in results):
@@ -272,17 +283,27 @@ def depth_table(results: list[dict], layers: list[int], variants: list[str]) -> 
     fifths = collections.defaultdict(list)
     for r in results:
         fifths[min(int(r["depth"] * 5), 4)].append(r)
+    graded = [v for v in variants if v != "full" and all("answer nll" in r for r in results)]
     lines = ["| asked needle's depth | n | " + " | ".join(f"right: {v}" for v in variants)
+             + "".join(f" | NLL vs full: {v}" for v in graded)
              + " | key error: asked needle | attention full | attention codes |",
-             "|---|---|" + "---|" * (len(variants) + 3)]
+             "|---|---|" + "---|" * (len(variants) + len(graded) + 3)]
     for fifth, rows in sorted(fifths.items()):
-        right = [sum(r["answers"][v] == "right" for r in rows) for v in variants]
+        right = [sum(r["answers"][v] == "right" for r in rows) for v in variants] + [nll_gap(rows, v) for v in graded]
         error = sum(r["key error: asked rest"] for r in rows) / len(rows)
         mass = {name: sum(r[f"attention {name} L{i}: asked needle"] for r in rows for i in layers)
                 / (len(rows) * len(layers)) for name in ("full", "codes")}
         lines.append(f"| {fifth / 5:.1f}-{(fifth + 1) / 5:.1f} | {len(rows)} | " + " | ".join(map(str, right))
                      + f" | {error:.3f} | {mass['full']:.4f} | {mass['codes']:.4f} |")
     return "\n".join(lines)
+
+
+def nll_gap(results: list[dict], variant: str) -> str:
+    """The full cache's mean answer NLL minus `variant`'s over `results`, with its bootstrap 95% CI, signed as the
+    evaluation report signs it (positive: `variant` is surer of the right answer than the full cache)."""
+    gaps = [r["answer nll"]["full"] - r["answer nll"][variant] for r in results]
+    low, high = bootstrap_mean_ci(gaps)
+    return f"{sum(gaps) / len(gaps):+.3f} [{low:+.3f}, {high:+.3f}]"
 
 
 def flips(answers: list[dict], variant: str, other: str) -> tuple[int, int]:

@@ -40,7 +40,8 @@ def paired_rows(rows: list[dict], a: str, b: str) -> dict[tuple, list[tuple[floa
         if len(methods) < 2:
             continue
         ra, rb = methods[a], methods[b]
-        nll = None if ra.get("answer_nll") is None or rb.get("answer_nll") is None else rb["answer_nll"] - ra["answer_nll"]
+        graded = ra.get("answer_nll") is not None and rb.get("answer_nll") is not None
+        nll = rb["answer_nll"] - ra["answer_nll"] if graded else None
         pairs[key[:4]].append((ra["depth"], 100 * (ra["score"] - rb["score"]), nll))
     return pairs
 
@@ -51,7 +52,7 @@ def contrast(early, late, *, samples: int = BOOTSTRAP_SAMPLES, seed: int = 0) ->
     if early.size < 2 or late.size < 2:
         return float(early.mean() - late.mean()) if early.size and late.size else np.nan, np.nan, np.nan
     rng = np.random.default_rng(seed)
-    draws = (rng.choice(early, (samples, early.size)).mean(axis=1) - rng.choice(late, (samples, late.size)).mean(axis=1))
+    draws = rng.choice(early, (samples, early.size)).mean(axis=1) - rng.choice(late, (samples, late.size)).mean(axis=1)
     low, high = np.percentile(draws, [2.5, 97.5])
     return float(early.mean() - late.mean()), float(low), float(high)
 
@@ -72,8 +73,8 @@ def table(cell: str, pairs: list[tuple], early: float, late: float, samples: int
     for pair in pairs:
         fifths[min(int(pair[0] * FIFTHS), FIFTHS - 1)].append(pair)
     for fifth, rows in sorted(fifths.items()):
-        lines.append(f"| {fifth / FIFTHS:.1f}-{(fifth + 1) / FIFTHS:.1f} | {len(rows)} | "
-                     f"{interval([r[1] for r in rows], '.1f', samples)} | {interval([r[2] for r in rows], '.3f', samples)} |")
+        answers, nll = interval([r[1] for r in rows], ".1f", samples), interval([r[2] for r in rows], ".3f", samples)
+        lines.append(f"| {fifth / FIFTHS:.1f}-{(fifth + 1) / FIFTHS:.1f} | {len(rows)} | {answers} | {nll} |")
     parts = []
     for name, column, scale in (("answers", 1, ".1f"), ("answer NLL", 2, ".3f")):
         sides = [[p[column] for p in pairs if keep(p[0]) and p[column] is not None]
@@ -100,7 +101,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"--early {args.early} and --late {args.late}: need 0 < early <= late < 1, e.g. 0.4 and 0.6")
     path = Path(args.results) / "examples.jsonl"
     if not path.is_file():
-        raise SystemExit(f"{path} does not exist: --results names a run's output directory, e.g. evaluation/runs/depth_dev")
+        raise SystemExit(f"{path} does not exist: --results names a run's output directory, e.g. "
+                         f"evaluation/runs/depth_dev")
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     pairs = paired_rows(rows, args.a, args.b)
     if not pairs:

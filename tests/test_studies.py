@@ -122,14 +122,18 @@ def test_needle_attention_places_the_error_in_its_tenth_of_the_prompt_and_tables
     context = SimpleNamespace(length=20, keys={0: exact}, values={0: exact})
     found = position_errors(context, SimpleNamespace(layers=[SimpleNamespace(keys=coded, values=exact)]), [0])
     assert found["key error: tenth 1"] > 0.1 and found["exact share: tenth 1"] == 0.0
-    assert all(found[f"key error: tenth {t}"] == 0 and found[f"exact share: tenth {t}"] == 1 for t in (0, *range(2, 10)))
+    assert all(found[f"key error: tenth {t}"] == 0 and found[f"exact share: tenth {t}"] == 1
+               for t in (0, *range(2, 10)))
     assert all(found[f"value error: tenth {t}"] == 0 for t in range(10))
-    row = lambda depth, codes: {"depth": depth, "answers": {"full": "right", "codes": codes},  # noqa: E731
-                                "key error: asked rest": 0.1, "attention full L3: asked needle": 0.02,
-                                "attention codes L3: asked needle": 0.01}
-    table = depth_table([row(0.1, "not planted"), row(0.1, "right"), row(0.9, "right")], [3], ["full", "codes"])
-    assert "| 0.0-0.2 | 2 | 2 | 1 | 0.100 | 0.0200 | 0.0100 |" in table
-    assert "| 0.8-1.0 | 1 | 1 | 1 |" in table
+    row = lambda depth, codes, nll: {"depth": depth, "answers": {"full": "right", "codes": codes},  # noqa: E731
+                                     "answer nll": {"full": 0.1, "codes": nll},
+                                     "key error: asked rest": 0.1, "attention full L3: asked needle": 0.02,
+                                     "attention codes L3: asked needle": 0.01}
+    rows = [row(0.1, "not planted", 0.5), row(0.1, "right", 0.3), row(0.9, "right", 0.1)]
+    table = depth_table(rows, [3], ["full", "codes"])
+    assert "| 0.0-0.2 | 2 | 2 | 1 | -0.300 [-0.400, -0.200] | 0.100 | 0.0200 | 0.0100 |" in table  # codes less sure
+    assert "| 0.8-1.0 | 1 | 1 | 1 | +0.000 [+0.000, +0.000] |" in table
+    assert "NLL vs full: codes" in table and "NLL vs full: full" not in table
 
 
 def test_needle_attention_refuses_a_malformed_override_or_an_unknown_variant_before_loading_a_model():
