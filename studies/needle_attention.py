@@ -260,7 +260,8 @@ def summarize(results: list[dict], layers: list[int]) -> str:
                                       for needle in needles) + " |" for i in layers]
     graded = all("answer nll" in r for r in results)
     lines += ["", "| variant | " + " | ".join(KINDS) + " | vs codes: +right / -right | vs full: +right / -right |"
-              + (" answer NLL vs full (nats; +: surer) |" if graded else ""), "|---|" + "---|" * (len(KINDS) + 2 + graded)]
+              + (" answer NLL vs full (nats; +: surer) |" if graded else ""),
+              "|---|" + "---|" * (len(KINDS) + 2 + graded)]
     answers = [r["answers"] for r in results]
     for variant in answers[0]:
         count = collections.Counter(a[variant] for a in answers)
