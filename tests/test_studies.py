@@ -185,6 +185,19 @@ def test_needle_depths_pairs_two_methods_by_example_and_contrasts_early_needles_
         main(["--results", str(tmp_path / "none")])
 
 
+def test_rope_bands_read_each_pair_of_rotated_dimensions_together():
+    from studies.rope_bands import band_table, pair_energies
+
+    keys = torch.zeros(1, 3, 4)  # d = 4: pairs (0, 2) and (1, 3)
+    keys[..., 0], keys[..., 2], keys[..., 1] = 3.0, 4.0, 1.0
+    assert pair_energies(keys).tolist() == [75.0, 3.0]
+    coded = keys.clone()
+    coded[..., 2] += 1.0  # all the error in pair 0
+    table = band_table([keys, keys], [coded, coded])
+    assert table[0].tolist() == pytest.approx([(3 / 75) ** 0.5, 75 / 78, 1.0])
+    assert table[1].tolist() == pytest.approx([0.0, 3 / 78, 0.0])
+
+
 def test_kept_digits_counts_the_layer_heads_whose_pruned_keys_hold_each_position():
     from types import SimpleNamespace
 
