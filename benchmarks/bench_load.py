@@ -87,10 +87,12 @@ def main(argv=None):
               "speedup_vs_reprefill": {k: base / stats[k]["median"] for k in ("load_compact", "load_materialized")},
               "saved_bytes": size, "save_seconds": save_seconds, "compress_seconds": compress_seconds,
               "first_tokens": answers}
-    rows = [["re-prefill document + question (DynamicCache)", stats["reprefill"]["median"], stats["reprefill"]["n"], 1.0],
+    rows = [["re-prefill document + question (DynamicCache)", stats["reprefill"]["median"], stats["reprefill"]["n"],
+             1.0],
             ["load (compact) + question", stats["load_compact"]["median"], stats["load_compact"]["n"],
              base / stats["load_compact"]["median"]],
-            ["  of which VarRateCache.load", stats["load_only_compact"]["median"], stats["load_only_compact"]["n"], "-"],
+            ["  of which VarRateCache.load", stats["load_only_compact"]["median"], stats["load_only_compact"]["n"],
+             "-"],
             ["load (materialized) + question", stats["load_materialized"]["median"], stats["load_materialized"]["n"],
              base / stats["load_materialized"]["median"]]]
     md = (f"## Load a saved compressed {args.length}-token document and answer, vs re-prefilling "

@@ -19,7 +19,8 @@ process's peak resident memory (`VmHWM` in /proc/self/status) reset after the mo
 up (`clear_refs`), next to every byte the cache's tensors hold after decoding (`--peak-configs` adds
 `held-exactly`: the one-liner holding its prompt in the model's dtype until coding, `hold_dtype="model"`).
 `--repeats N` runs each cell N times, interleaved, and reports medians: with glibc's default dynamic mmap
-threshold the same run's peak moves by up to 200 MiB between processes; `MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=131072` in the
+threshold the same run's peak moves by up to 200 MiB between processes; \
+`MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=131072` in the
 environment makes it repeat within 1 MiB (docs/benchmarks.md).
 """
 

@@ -15,7 +15,8 @@ For each (model, dtype, length) in one process:
 
 The exponent of codec time against length is fitted per (model, dtype) from the replay medians.
 
-    python benchmarks/bench_prefill.py                 # the default plan below, ~15 min on 2 busy cores (1 torch thread)
+    python benchmarks/bench_prefill.py                 # the default plan below, ~15 min on 2 busy cores \
+(1 torch thread)
     python benchmarks/bench_prefill.py --plan smollm2-135m-instruct:float32:1024,2048 --replays 5
     python benchmarks/bench_prefill.py --preset recommended --set coef_scales=token   # one setting, side by side
 """
@@ -141,7 +142,8 @@ def prefill_flops(model, length: int) -> float:
     embed = {id(p) for p in model.get_input_embeddings().parameters()}
     embed |= {id(p) for p in model.get_output_embeddings().parameters()}
     params = sum(p.numel() for p in model.parameters() if id(p) not in embed)
-    heads, dim = config.num_attention_heads, getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    heads, dim = (config.num_attention_heads,
+                  getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
     window = getattr(config, "sliding_window", None)
     attention = 0
     for kind in (getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers):
@@ -225,7 +227,8 @@ def markdown(results, env, args) -> str:
         stages = r["stages"]["stages"]
         total = sum(stages.values()) or 1.0
         shares = " / ".join(f"{100 * stages[s] / total:.0f}" for s in STAGES)
-        rows.append([r["model"], r["dtype"], r["length"], f"{r['plain_seconds']['median']:.2f} (n={r['plain_seconds']['n']})",
+        rows.append([r["model"], r["dtype"], r["length"],
+                     f"{r['plain_seconds']['median']:.2f} (n={r['plain_seconds']['n']})",
                      f"{r['codec_seconds_replay']['median']:.2f} (n={r['codec_seconds_replay']['n']}, "
                      f"±{r['codec_seconds_replay']['spread']:.0%})",
                      f"{100 * r['overhead_accounted']:.1f}%",
@@ -243,13 +246,15 @@ def markdown(results, env, args) -> str:
              "Exponent of codec time vs length (log-log fit of the replay medians): "
              + ", ".join(f"{k}: {v:.2f}" for k, v in exps.items()), "",
              "accounted = codec seconds (replayed through VarRateCache.update + the query hook) / plain prefill "
-             "seconds; reference path = the same with implementation='reference' (the codec before the fast path); in run = codec / (wall - codec) inside real VarRate prefills, so both halves share the "
+             "seconds; reference path = the same with implementation='reference' (the codec before the fast path); "
+             "in run = codec / (wall - codec) inside real VarRate prefills, so both halves share the "
              "machine's load at that moment; end to end = VarRate prefill / plain prefill - 1 (one sample each "
              "at long lengths: the noisiest). Spread = (max - min) / median of the replays.",
              (f"Device: {env['cuda']} ({env['device']}); the stage shares are host-side times (the profiler's CPU "
               f"view: launches, and waits where a stage reads a result back). " if env["cuda"] else "")
              + f"Machine: {env['cpu']}, {env['cores']} cores shared with other jobs (load average at start "
-             f"{tuple(round(x, 1) for x in env['load_average'])}, at end {tuple(round(x, 1) for x in env['load_average_end'])}).",
+             f"{tuple(round(x, 1) for x in env['load_average'])}, "
+             f"at end {tuple(round(x, 1) for x in env['load_average_end'])}).",
              f"Command: python benchmarks/bench_prefill.py {' '.join(args.argv)}".rstrip()]
     return "\n".join(lines)
 

@@ -71,16 +71,19 @@ def memory_rows() -> list[list]:
     memory = load("memory")
     if memory:
         for r in memory["results"]:
-            rows.append([f"memory, {r['config']}", f"cache tensors {r['cache_held_bytes'] / 2**20:.1f} MiB; RSS at rest "
-                         f"+{r['at_rest_after_prefill'] / 2**20:.0f} MiB; peak prefill +{r['prefill_peak'] / 2**20:.0f} "
-                         f"MiB; peak decode +{r['decode_peak'] / 2**20:.0f} MiB"])
+            rows.append([f"memory, {r['config']}",
+                         f"cache tensors {r['cache_held_bytes'] / 2**20:.1f} MiB; RSS at rest "
+                         f"+{r['at_rest_after_prefill'] / 2**20:.0f} MiB; "
+                         f"peak prefill +{r['prefill_peak'] / 2**20:.0f} MiB; "
+                         f"peak decode +{r['decode_peak'] / 2**20:.0f} MiB"])
     loading = load("load")
     if loading:
         s = loading["seconds"]
         rows.append(["load saved cache + first answer token vs re-prefill",
                      f"{s['load_compact']['median']:.2f} s (compact), {s['load_materialized']['median']:.2f} s "
                      f"(materialized) vs {s['reprefill']['median']:.1f} s: "
-                     + ", ".join(f"{k.removeprefix('load_')} {v:.0f}x" for k, v in loading["speedup_vs_reprefill"].items())])
+                     + ", ".join(f"{k.removeprefix('load_')} {v:.0f}x"
+                                 for k, v in loading["speedup_vs_reprefill"].items())])
     return rows
 
 
@@ -99,7 +102,8 @@ def footprint_rows() -> list[list]:
 def main():
     rows = overhead_rows() + decode_rows() + memory_rows() + footprint_rows()
     md = "# Benchmark summary\n\n" + table(["what", "measured"], rows) + (
-        "\n\nDetails, noise and commands: prefill.md, decode.md, read.md, memory.md, load.md, footprint.md beside this file.\n")
+        "\n\nDetails, noise and commands: prefill.md, decode.md, read.md, memory.md, load.md, footprint.md "
+        "beside this file.\n")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "SUMMARY.md").write_text(md)
     print(md)

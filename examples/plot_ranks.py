@@ -44,7 +44,8 @@ def main():
     text = plant(essay_text(), tokenizer, 2000, [fact], [0.5])
     doc_ids, q_ids = chat_parts(tokenizer, text, question, lead)
     fig, ax = plt.subplots(figsize=(9, 3.2))
-    for label, ids in [("query-aware (question in the prompt)", doc_ids + q_ids), ("query-agnostic (document alone)", doc_ids)]:
+    for label, ids in [("query-aware (question in the prompt)", doc_ids + q_ids),
+                       ("query-agnostic (document alone)", doc_ids)]:
         cache = VarRateCache.from_pretrained("smollm2-135m-instruct", model=model, budget=args.budget)
         with torch.no_grad():
             model(torch.tensor([ids]), cache=cache, logits_to_keep=1)  # past_key_values= before 5.24

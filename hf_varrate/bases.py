@@ -342,8 +342,8 @@ def push_folder(folder: str | os.PathLike, repo_id: str, *, subfolder: str | Non
     with tempfile.TemporaryDirectory(prefix="hf_varrate-push-") as staging:
         for name in (WEIGHTS_NAME, CONFIG_NAME):
             shutil.copyfile(Path(folder) / name, Path(staging) / name)
-        (Path(staging) / CARD_NAME).write_text(render_card(bases.metadata, bases_ref=repo_id, spectrum=bool(bases.spectra),
-                                                           subfolder=check_subfolder(subfolder)))
+        (Path(staging) / CARD_NAME).write_text(render_card(
+            bases.metadata, bases_ref=repo_id, spectrum=bool(bases.spectra), subfolder=check_subfolder(subfolder)))
         message = commit_message or f"Upload VarRate bases for {bases.metadata.get('model_id')}"
         return upload_files(staging, repo_id, ARTIFACT_FILES, subfolder=subfolder, private=private,
                             revision=revision, token=token, commit_message=message, create_pr=create_pr)

@@ -44,7 +44,8 @@ def build_hint(model_or_meta=None) -> str:
 def check_metadata(meta) -> dict:
     """Types and consistency of the shape fields of a config.json (already parsed)."""
     if not isinstance(meta, dict):
-        raise BasesError(f"{CONFIG_NAME} must hold a JSON object, got {type(meta).__name__}; rebuild with: {BUILD_HINT}")
+        raise BasesError(f"{CONFIG_NAME} must hold a JSON object, got {type(meta).__name__}; "
+                         f"rebuild with: {BUILD_HINT}")
     for name in INT_FIELDS:
         value = meta.get(name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -2,10 +2,10 @@
 
 This module owns the checks: the top-level fields of `cache_config.json` (`check_meta`), the model and
 RoPE frequencies the cache was saved for (`check_model`, `check_rope`), and every layer (`check_layers`, in
-`hf_varrate.layer_checks`): each field's JSON type and range, each tensor's dtype and shape, and how they fit together (exact-token
-counts, ranks vs coefficients, anchor indices, spans and RoPE positions, layer lengths, and the same
-batch, tokens and dtype in every layer). Each failure is a `CacheFileError` naming the field or tensor,
-what it holds, what was expected and the fix.
+`hf_varrate.layer_checks`): each field's JSON type and range, each tensor's dtype and shape, and how
+they fit together (exact-token counts, ranks vs coefficients, anchor indices, spans and RoPE positions,
+layer lengths, and the same batch, tokens and dtype in every layer). Each failure is a `CacheFileError`
+naming the field or tensor, what it holds, what was expected and the fix.
 
 The file names, the format version and the JSON's own fingerprint (`seal`, `check_seal`) are defined
 here, so that `hf_varrate.serialization` (which writes and reads the files) imports this module and not

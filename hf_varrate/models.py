@@ -203,7 +203,8 @@ def _checked_tokenizer(tokenizer: PreTrainedTokenizerBase, info: DefaultModel, s
     if pieces > len(_SAMPLE) // 2:
         raise RuntimeError(
             f"the tokenizer from {source} splits a {len(_SAMPLE)}-character sentence into {pieces} tokens: "
-            f"transformers {transformers.__version__} converts this GGUF tokenizer character by character; {_redo(source, info)}"
+            f"transformers {transformers.__version__} converts this GGUF tokenizer character by character; "
+            f"{_redo(source, info)}"
         )
     return tokenizer
 

@@ -49,7 +49,8 @@ from .config import VarRateConfig
 from .errors import VarRateWarning
 from .layers import VarRateLayer
 
-INSTALL_HINT = "VarRatePress is a kvpress press and needs kvpress: pip install kvpress (or pip install 'hf_varrate[eval]')"
+INSTALL_HINT = ("VarRatePress is a kvpress press and needs kvpress: "
+                "pip install kvpress (or pip install 'hf_varrate[eval]')")
 
 try:  # the optional `eval` extra
     from kvpress import BasePress

@@ -188,7 +188,8 @@ class CodingSpaces:
             else:
                 spectra = [balanced_spectrum(self.bases.tensors[i], self.bases.spectrum(i), balance, key_weight)
                            for i in layers]  # in fp64 there: no fp32 copy first
-            self.copies.energies[(balance, key_weight)] = energy_shares(spectra), {i: row for row, i in enumerate(layers)}
+            self.copies.energies[(balance, key_weight)] = (energy_shares(spectra),
+                                                           {i: row for row, i in enumerate(layers)})
         return self.copies.energies[(balance, key_weight)]
 
     def layer_share(self, layer_idx: int, config, kv_dtype: torch.dtype | None = None

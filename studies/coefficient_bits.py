@@ -63,7 +63,8 @@ def residual_coefficients(captured, layer: int, bases: Bases, config) -> torch.T
 
 
 def bytes_per_token(config, budget: float, seq_len: int, width: int, rank: int) -> float:
-    """Coefficient bytes per coded token that `budget` (fp16-counted) leaves after the exact set and side information."""
+    """Coefficient bytes per coded token that `budget` (fp16-counted) leaves after the exact set and side
+    information."""
     stride = effective_stride(config.replace(budget=budget), seq_len)
     n_exact = int(exact_mask(seq_len, stride, config.window).sum())
     n_coded = seq_len - n_exact

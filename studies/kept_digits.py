@@ -58,9 +58,11 @@ def main(argv=None) -> int:
         start = next((i for i in range(len(ids)) if ids[i : i + len(digits)] == digits), None)
         if start is None:
             raise SystemExit(f"{example.example_id}: the needle {example.answers[0]!r} is not one token per digit in "
-                             f"{args.model}'s prompt; this diagnostic needs a tokenizer that splits numbers into digits")
+                             f"{args.model}'s prompt; this diagnostic needs a tokenizer that splits numbers "
+                             "into digits")
         compressed = press.compress(Context(model, tokenizer, args.model, captured, ids))
-        share = kept_share(captured.keys, compressed.cache, full_attention_layers(model), slice(start, start + len(digits)))
+        share = kept_share(captured.keys, compressed.cache, full_attention_layers(model),
+                           slice(start, start + len(digits)))
         print(f"{example.example_id} {example.answers[0]}: " + " ".join(f"{s:.2f}" for s in share.tolist()))
     return 0
 

@@ -59,7 +59,8 @@ def confusions(rows: list[dict], texts: dict[tuple[int, str], str]) -> dict[tupl
     counts = collections.defaultdict(collections.Counter)
     for row in rows:
         values = planted(texts[(row["length"], row["example_id"])])
-        counts[(row["length"], row["regime"], row["method"])][classify(row["prediction"], row["answers"][0], values)] += 1
+        counts[(row["length"], row["regime"], row["method"])][
+            classify(row["prediction"], row["answers"][0], values)] += 1
     return counts
 
 

@@ -41,7 +41,8 @@ def preset_loss(coefs: torch.Tensor, config, spend: float, token_group: int) -> 
     return per_token_loss(coefs, config.coef_bits, config.coef_group, spend)[0]
 
 
-def own_basis_loss(coefs: torch.Tensor, config, spend: float, token_group: int, step: int = 8) -> tuple[float, float, int]:
+def own_basis_loss(coefs: torch.Tensor, config, spend: float, token_group: int,
+                   step: int = 8) -> tuple[float, float, int]:
     """(loss charged, loss free, rows) of coding coefs [C, D] on their own principal components."""
     count, width = coefs.shape
     total = float(coefs.square().sum())

@@ -1,4 +1,5 @@
-"""Does coding the keys weighted by the queries' energy cut attention's error at equal bytes? `python -m studies.query_weights`.
+"""Does coding the keys weighted by the queries' energy cut attention's error at equal bytes? \
+`python -m studies.query_weights`.
 
 The proxy behind rounds 22 and 23 (docs/accuracy_dev.md): one held-out wiki context of `--length` tokens is
 compressed by the `recommended` preset at each budget (fp16-counted, materialized), with the key half of the
@@ -88,8 +89,8 @@ def main(argv=None) -> None:
             cache = VarRateCache(bases, config, model_config=model.config)
             replay(cache, model, captured)
             errors = attention_errors(model, captured, cache, layers, args.queries)
-            print(f"| {budget} | {alpha} | {config.key_weight:g} | {errors[0]:.3f} | {errors[1]:.3f} | {errors[2]:.3f} |",
-                  flush=True)
+            print(f"| {budget} | {alpha} | {config.key_weight:g} | {errors[0]:.3f} | {errors[1]:.3f} | "
+                  f"{errors[2]:.3f} |", flush=True)
 
 
 if __name__ == "__main__":

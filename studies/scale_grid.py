@@ -28,7 +28,8 @@ from hf_varrate.shipped import SHIPPED_ROOT
 
 from studies._context import held_out_context
 
-ALLOCATIONS = {"the preset's ranks": {}, "allocation='distortion'": {"allocation": "distortion", "coef_scales": "token"}}
+ALLOCATIONS = {"the preset's ranks": {},
+               "allocation='distortion'": {"allocation": "distortion", "coef_scales": "token"}}
 
 
 def grid_entries(ranks: torch.Tensor, tokens: int) -> tuple[int, int, int, float]:
@@ -55,7 +56,8 @@ def count(model, ids: torch.Tensor, folder, budget: float, overrides: dict) -> d
         for code in getattr(layer, "codes", None) or []:
             if code.stored_exactly or code.ranks.numel() == 0:
                 continue
-            for name, value in zip(("ragged", "dense", "by rank", "budgeted"), grid_entries(code.ranks, config.component_tokens)):
+            for name, value in zip(("ragged", "dense", "by rank", "budgeted"),
+                                   grid_entries(code.ranks, config.component_tokens)):
                 found[name] += value
             found["coefficients"] += int(code.ranks.long().sum())
             found["spread"] = max(found["spread"], float(code.ranks.float().std() / code.ranks.float().mean()))
@@ -81,7 +83,8 @@ def main(argv=None) -> None:
         for label, overrides in ALLOCATIONS.items():
             f = count(model, ids, SHIPPED_ROOT / args.model, budget, overrides)
             print(f"| {budget} | {label} | {f['spread']:.2f} | {f['ragged']:.0f} | {f['dense']:.0f} | "
-                  f"{f['by rank']:.0f} | {f['budgeted']:.0f} | {f['excess']:.1%} / {f['excess by rank']:.1%} |", flush=True)
+                  f"{f['by rank']:.0f} | {f['budgeted']:.0f} | {f['excess']:.1%} / {f['excess by rank']:.1%} |",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -220,7 +220,8 @@ SAVE_AGAIN = r"; this is not a consistent saved cache .*: save it again with cac
     (_edit(f"{ROW}.exact_values", lambda values: values.half()), rf"tensor {ROW}.exact_values is float16"),
     (_edit(f"{ROW}.coefs", _poison_one), rf"tensor {ROW}.coefs is float32 \[\d+\] holding NaN or inf, expected "
                                          rf"finite values"),
-    (_edit(f"{ROW}.exact_keys", _poison_one), rf"tensor {ROW}.exact_keys is float32 \[1, 2, 52, 16\] holding NaN or inf"),
+    (_edit(f"{ROW}.exact_keys", _poison_one),
+     rf"tensor {ROW}.exact_keys is float32 \[1, 2, 52, 16\] holding NaN or inf"),
     (_add_tensor, r"holds tensors no layer of cache_config.json uses: \['layers.0.rows.0.extra'\]"),
 ], ids=["ranks", "source", "row", "seq_len", "span", "rope_offset", "prompt_len", "dtype", "kind", "lengths",
         "neighbours", "coefs", "exact_dtype", "nan_coefs", "inf_exact", "extra_tensor"])

@@ -212,20 +212,23 @@ def test_tuned_component_scales_give_way_to_settings_that_rule_them_out(tmp_path
     tuned = {"recommended": {"low_budget": {"coef_scales": "component"}}}
     write_artifact(tmp_path, good_tensors(), {**META, "presets": tuned})
     bases = Bases.from_pretrained(tmp_path)
-    with pytest.warns(VarRateWarning, match=f"tuned coef_scales='component', which needs {field}=.*coef_scales='token'"):
+    with pytest.warns(VarRateWarning,
+                      match=f"tuned coef_scales='component', which needs {field}=.*coef_scales='token'"):
         config = bases.config("recommended", balance="none", budget=0.1, **override)
     assert config.coef_scales == "token" and getattr(config, field) == override[field]  # the user's setting kept
     with pytest.raises(ValueError, match=f"coef_scales='component' needs {field}="):  # asked for by name: no fallback
         bases.config("recommended", balance="none", budget=0.1, coef_scales="component", **override)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing to give way to: no warning
-        assert bases.config("recommended", balance="none", layer_budgets="uniform", budget=0.1).coef_scales == "component"
+        assert bases.config("recommended", balance="none", layer_budgets="uniform",
+                            budget=0.1).coef_scales == "component"
 
 
 @pytest.mark.parametrize("presets, message", [
     ([1], "presets must map preset names"),
     ({"recommended": {"low_budget": 3}}, r"presets\.recommended\.low_budget must map settings"),
-    ({"recommended": {"low_budget": {"coef_scales": "diagonal"}}}, r"presets\.recommended is not a valid setting: coef_sc"),
+    ({"recommended": {"low_budget": {"coef_scales": "diagonal"}}},
+     r"presets\.recommended is not a valid setting: coef_sc"),
     ({"fast": {}}, "presets must map preset names"),
     ({"recommended": {"key_weight": -1.0}}, r"presets\.recommended is not a valid setting: key_weight"),
     ({"recommended": {"no_such_field": 1}}, r"presets\.recommended is not a valid setting: .*no_such_field"),

@@ -121,7 +121,8 @@ def _poke(index: int, value: float) -> torch.Tensor:
     [
         (_without("spectrum.1"), r"missing \['spectrum.1'\]"),
         (_with("spectrum.5", descending().float()), r"unexpected \['spectrum.5'\]"),
-        (_with("spectrum.1", descending(4).float()), r"spectrum spectrum.1 has shape \(4,\), expected \[rank\] = \[8\]"),
+        (_with("spectrum.1", descending(4).float()),
+         r"spectrum spectrum.1 has shape \(4,\), expected \[rank\] = \[8\]"),
         (_with("spectrum.1", descending().float()[None]), r"spectrum spectrum.1 has shape \(1, 8\)"),
         (_with("spectrum.1", torch.arange(8, 0, -1, dtype=torch.int32)), "spectrum spectrum.1 has dtype torch.int32"),
         (_with("spectrum.1", _poke(2, float("nan"))), "spectrum spectrum.1 contains NaN or inf"),

@@ -7,7 +7,8 @@ import torch
 
 from hf_varrate import VarRateConfig
 from hf_varrate.codec import (
-    SIGNALS, SignalInputs, coded_salience, register_signal, decode, decode_prompt, encode, encode_prompt, exact_mask, join_kv, minmax, nearest_anchors,
+    SIGNALS, SignalInputs, coded_salience, register_signal, decode, decode_prompt, encode, encode_prompt, exact_mask,
+    join_kv, minmax, nearest_anchors,
     pack, residuals, rotate_keys, split_kv, topk_ranks, unpack, unrotate_keys, waterfill_ranks,
 )
 from hf_varrate.codec.allocation import distortion_ranks
@@ -261,7 +262,8 @@ def test_byte_parts_name_every_tensor_the_code_holds(coef_bits):
     parts = code.byte_parts()
     size = lambda t: t.numel() * t.element_size()  # noqa: E731
     coefs = code.coefs
-    held = {"exact": code.exact_pos.numel() * 64 * 4, "anchor_indices": size(code.neighbours), "ranks": size(code.ranks),
+    held = {"exact": code.exact_pos.numel() * 64 * 4, "anchor_indices": size(code.neighbours),
+            "ranks": size(code.ranks),
             "codes": size(coefs.codes) if coef_bits else size(coefs),
             "scales": size(coefs.mins) + size(coefs.steps) if coef_bits else 0}
     assert parts == held and sum(parts.values()) == code.nbytes()

@@ -110,7 +110,8 @@ def _op_samples():
         "coded_key_scores": (torch.randn(15, 16, generator=gen), torch.randn(5, 16, generator=gen),
                              torch.randint(5, (15, 2), generator=gen), turns, torch.randperm(20, generator=gen)[:15],
                              torch.randn(2, 3, 8, generator=gen)),
-        "anchor_keys": (torch.randn(2, 9, 8, generator=gen), torch.tensor([0, 3, 6]), torch.tensor([0, 4, 8]), turns, 2),
+        "anchor_keys": (torch.randn(2, 9, 8, generator=gen), torch.tensor([0, 3, 6]), torch.tensor([0, 4, 8]),
+                        turns, 2),
         "add_anchor_shares": (coded, exact, torch.randint(5, (15, 2), generator=gen), torch.tensor([0, 2, 4, 6, 8])),
     }
 

@@ -243,7 +243,8 @@ def test_accelerate_is_a_test_dependency_the_package_never_imports():
     assert not [d for d in project["dependencies"] if d.startswith("accelerate")]
     importing = [path.name for path in (root / "hf_varrate").rglob("*.py")
                  for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, (ast.Import, ast.ImportFrom))
-                 and any((getattr(node, "module", None) or alias.name).startswith("accelerate") for alias in node.names)]
+                 and any((getattr(node, "module", None) or alias.name).startswith("accelerate")
+                         for alias in node.names)]
     assert not importing, f"the package imports accelerate in {importing}: make it a dependency again"
 
 

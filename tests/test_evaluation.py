@@ -378,7 +378,8 @@ def test_a_stage_running_in_one_process_is_refused_to_another_until_it_ends(tmp_
     seen = []
     stub_stages(monkeypatch, lambda self, stage, example, todo: seen.append(stage))
     with Runner(config, tmp_path).stage_lock(3):  # a separate open file: flock refuses it as it would a process
-        with pytest.raises(StageBusy, match=rf"stage 3 is being run into {re.escape(str(tmp_path))} by process {os.getpid()};.*"
+        with pytest.raises(StageBusy, match=rf"stage 3 is being run into {re.escape(str(tmp_path))} "
+                           rf"by process {os.getpid()};.*"
                            r"--stages without 3"):
             Runner(config, tmp_path).run(stages=[2, 3])
         with pytest.raises(StageBusy, match="stage 3"):

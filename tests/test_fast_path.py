@@ -107,12 +107,14 @@ def test_fast_path_matches_the_reference_path(dtype, overrides):
     ref = reconstruct("reference", keys, values, queries, cos, sin, basis, **overrides)
     fast = reconstruct("fast", keys, values, queries, cos, sin, basis, **overrides)
     assert torch.equal(fast[0].ranks, ref[0].ranks)
-    assert (fast[0].neighbours.long().sort(1).values != ref[0].neighbours.long().sort(1).values).any(1).float().mean() < 0.01
+    assert (fast[0].neighbours.long().sort(1).values
+            != ref[0].neighbours.long().sort(1).values).any(1).float().mean() < 0.01
     own_error = (ref[1].float() - keys.float()).norm() + (ref[2].float() - values.float()).norm()
     gap = (fast[1].float() - ref[1].float()).norm() + (fast[2].float() - ref[2].float()).norm()
     assert gap <= 0.01 * own_error + (1e-4 if dtype == torch.float32 else 0.05)
     exact = fast[0].exact_pos
-    assert torch.equal(fast[1][:, :, exact], keys[:, :, exact]) and torch.equal(fast[2][:, :, exact], values[:, :, exact])
+    assert (torch.equal(fast[1][:, :, exact], keys[:, :, exact])
+            and torch.equal(fast[2][:, :, exact], values[:, :, exact]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

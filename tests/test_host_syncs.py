@@ -42,7 +42,8 @@ class HostReads(TorchFunctionMode):
         if self._reads(getattr(func, "__name__", ""), args, kwargs):
             where = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(self.root)]
             if where and where[-1].filename != CPU_KERNELS:
-                self.found.append(f"{func.__name__} at {Path(where[-1].filename).relative_to(self.root)}:{where[-1].lineno}")
+                self.found.append(f"{func.__name__} at "
+                                  f"{Path(where[-1].filename).relative_to(self.root)}:{where[-1].lineno}")
         return func(*args, **kwargs)
 
     @staticmethod
@@ -53,7 +54,8 @@ class HostReads(TorchFunctionMode):
         if name in READS:
             return True
         if name == "to":  # an explicit copy to the host
-            return any(a == "cpu" or (isinstance(a, str) and a.startswith("cpu:")) for a in (*args[1:], *kwargs.values()))
+            return any(a == "cpu" or (isinstance(a, str) and a.startswith("cpu:"))
+                       for a in (*args[1:], *kwargs.values()))
         if name == "repeat_interleave":  # tensor repeats without output_size: the size is read back
             return isinstance(args[1] if len(args) > 1 else kwargs.get("repeats"), torch.Tensor) and \
                 kwargs.get("output_size") is None
@@ -98,7 +100,8 @@ def test_a_compact_read_over_the_codes_reads_nothing_back(tiny_llama, attention,
 
 
 @pytest.mark.parametrize("loops", ["torch", "native"])
-def test_a_several_token_forward_over_the_codes_reads_back_only_its_padding_check(tiny_llama, attention, loops):  # noqa: F811
+def test_a_several_token_forward_over_the_codes_reads_back_only_its_padding_check(
+        tiny_llama, attention, loops):  # noqa: F811
     """Forwards of several tokens after the prompt (drafts, later turns) pass the prefill hook, whose padding
     check (`binding.key_padding`: is every token real?) reads one bool per layer; the read itself reads nothing."""
     if loops == "native" and not native.available():
@@ -113,7 +116,8 @@ def test_a_several_token_forward_over_the_codes_reads_back_only_its_padding_chec
 @pytest.mark.parametrize("fixture, attn", [("tiny_llama", "sdpa"), ("tiny_llama", hf_varrate.ATTENTION),
                                            ("tiny_gemma3", "sdpa")])
 @pytest.mark.parametrize("storage", ["materialized", "compact"])
-def test_each_storage_under_sdpa_or_varrate_reads_nothing_back(fixture, attn, storage, request, attention):  # noqa: F811
+def test_each_storage_under_sdpa_or_varrate_reads_nothing_back(fixture, attn, storage, request,
+                                                               attention):  # noqa: F811
     """Materialized storage, and compact storage under either attention (under sdpa a compact layer hands
     sdpa stand-ins that read its codes)."""
     model = request.getfixturevalue(fixture)

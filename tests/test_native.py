@@ -125,7 +125,8 @@ def test_runs_that_do_not_fit_the_stream_are_left_to_pytorch():
 def _reference_scores(proj, anchors, neighbours, turns, positions, queries):
     keys = anchors[neighbours].sum(1) + proj.float()  # [C, H * d]
     heads, _, dim = queries.shape
-    rotated = torch.view_as_complex(keys.view(-1, heads, dim // 2, 2)) * torch.view_as_complex(turns[positions])[:, None]
+    rotated = (torch.view_as_complex(keys.view(-1, heads, dim // 2, 2))
+               * torch.view_as_complex(turns[positions])[:, None])
     return torch.einsum("hrd,chd->hrc", queries, torch.view_as_real(rotated).reshape(-1, heads, dim))
 
 
@@ -167,7 +168,8 @@ def test_the_read_over_the_codes_is_the_same_with_or_without_the_c_loops(tiny_ll
         tiny_llama(ids[:, :-6], past_key_values=cache)
         torch_cache = copy.deepcopy(cache)
         monkeypatch.setattr(native, "dequantize_runs", spy)
-        got = [tiny_llama(ids[:, -6:-1], past_key_values=cache).logits, tiny_llama(ids[:, -1:], past_key_values=cache).logits]
+        got = [tiny_llama(ids[:, -6:-1], past_key_values=cache).logits,
+               tiny_llama(ids[:, -1:], past_key_values=cache).logits]
         monkeypatch.setattr(native, "dequantize_runs", loop)
         with native.disabled():
             assert not native.available()
@@ -217,9 +219,11 @@ def test_the_loops_give_the_same_bits_on_any_number_of_threads():
     runs = _runs([(301, 40), (200, 39)])
     ranks = torch.cat([torch.full((stop - first,), rank) for first, stop, rank in runs])
     coefs = quantize(torch.randn(int(ranks.sum()), generator=gen), ranks, 4, 32)
-    components = quantize_components(torch.randn(501, 48, generator=gen), DenseOrder(ranks, 48, 8, int(ranks.sum()), runs), 4)
-    args = (torch.randn(501, 48, generator=gen), torch.randn(9, 48, generator=gen), torch.randint(9, (501, 4), generator=gen),
-            torch.randn(600, 8, 2, generator=gen), torch.randperm(600, generator=gen)[:501], torch.randn(3, 3, 16, generator=gen))
+    components = quantize_components(torch.randn(501, 48, generator=gen),
+                                     DenseOrder(ranks, 48, 8, int(ranks.sum()), runs), 4)
+    args = (torch.randn(501, 48, generator=gen), torch.randn(9, 48, generator=gen),
+            torch.randint(9, (501, 4), generator=gen), torch.randn(600, 8, 2, generator=gen),
+            torch.randperm(600, generator=gen)[:501], torch.randn(3, 3, 16, generator=gen))
     threads, results = torch.get_num_threads(), []
     try:
         for count in (1, 2, 3):

@@ -1,6 +1,6 @@
 """The prefill's C loops (`hf_varrate.codec.native`: joint rows, nearest anchors, anchor means, 2- to 4-bit
-quantization with scales per token or per component) give the PyTorch path's results bit for bit, the nearest anchors included where distances tie,
-and a whole prompt's code is the same with or without them."""
+quantization with scales per token or per component) give the PyTorch path's results bit for bit, the nearest
+anchors included where distances tie, and a whole prompt's code is the same with or without them."""
 
 import pytest
 import torch
@@ -151,7 +151,8 @@ def test_the_range_loops_propagate_nan_as_amin_and_amax_do(dtype):
 
 
 @needs_native
-@pytest.mark.parametrize("overrides", [{"preset": "recommended"}, {"preset": "recommended", "projection_dtype": "float32"},
+@pytest.mark.parametrize("overrides", [{"preset": "recommended"},
+                                       {"preset": "recommended", "projection_dtype": "float32"},
                                        {"signal": "uniform", "coef_bits": 4}, {"signal": "uniform", "coef_bits": 3},
                                        {"preset": "recommended", "coef_scales": "component"}, {}])
 @pytest.mark.parametrize("reconstruct", [False, True])

@@ -43,7 +43,8 @@ def same_codes(a, b, rtol=1e-4, atol=1e-5) -> bool:
     so the K/V of layers after the first differ from a whole prefill's in the last bits)."""
     mine, theirs = codes_of(a), codes_of(b)
     return len(mine) == len(theirs) > 0 and all(
-        torch.equal(r1, r2) and torch.allclose(c1, c2, rtol=rtol, atol=atol) for (r1, c1), (r2, c2) in zip(mine, theirs))
+        torch.equal(r1, r2) and torch.allclose(c1, c2, rtol=rtol, atol=atol)
+        for (r1, c1), (r2, c2) in zip(mine, theirs))
 
 
 @pytest.mark.parametrize("hold", ["model", "auto"])

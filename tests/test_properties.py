@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 from hf_varrate import VarRateConfig
 from hf_varrate.codec import (
-    SIGNALS, SignalInputs, coded_salience, compress_prompt, decode_prompt, encode_prompt, exact_mask, minmax, pack, pool_scores,
-    snapkv_scores, topk_ranks, unpack, waterfill_ranks,
+    SIGNALS, SignalInputs, coded_salience, compress_prompt, decode_prompt, encode_prompt, exact_mask, minmax, pack,
+    pool_scores, snapkv_scores, topk_ranks, unpack, waterfill_ranks,
 )
 
 EXAMPLES = int(os.environ.get("HF_VARRATE_EXAMPLES", "40"))

@@ -287,8 +287,8 @@ def test_a_tail_is_fed_token_by_token_where_pruned_layers_disagree_on_the_length
     pruned = prefilled(True)
     assert len({layer.get_seq_length() for layer in pruned.layers}) == 2
     calls = []
-    handle = tiny_llama.register_forward_pre_hook(lambda module, args, kwargs: calls.append(kwargs["input_ids"].shape[1]),
-                                                  with_kwargs=True)
+    handle = tiny_llama.register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
     try:
         nll, count = continuation_nll(tiny_llama, pruned, None, tail, 40)
     finally:

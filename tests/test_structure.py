@@ -1,16 +1,20 @@
 """The package stays a one-way stack: no import cycles (function-level imports count), no private name
-imported across modules, every module small and opening with a docstring that says its job.
+imported across modules, every module small and opening with a docstring that says its job; and no
+tracked .py file of the repository has a line longer than 120 characters.
 
 Read from the source with `ast`, so a change that breaks the structure fails here before review.
 """
 
 import ast
+import subprocess
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hf_varrate"
 MAX_LINES = 350
+REPO = PACKAGE.parent
+MAX_LINE_LENGTH = 120
 
 
 def module_name(path: Path) -> str:
@@ -104,3 +108,31 @@ def test_the_codec_imports_nothing_above_it():
     above = {f"{name} -> {target}" for name, targets in graph().items() if name.startswith("hf_varrate.codec")
              for target in targets if not target.startswith("hf_varrate.codec") and target not in allowed}
     assert not above, f"the codec reaches up: {sorted(above)}"
+
+
+def tracked_sources() -> list[Path]:
+    """Every .py file git tracks in the repository; without git, every one under it outside .git and .venv*."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z", "*.py"], cwd=REPO, capture_output=True, text=True,
+                                check=True).stdout.split("\0")
+    except (OSError, subprocess.CalledProcessError):
+        listed = []
+    if any(listed):
+        return [REPO / name for name in listed if name and (REPO / name).is_file()]
+    return sorted(path for path in REPO.rglob("*.py")
+                  if not any(part == ".git" or part.startswith(".venv") for part in path.relative_to(REPO).parts))
+
+
+def long_lines(name: str, source: str) -> list[str]:
+    """`name:line (length)` for each line of `source` longer than MAX_LINE_LENGTH characters."""
+    lines = (line.rstrip("\r") for line in source.split("\n"))
+    return [f"{name}:{number} ({len(line)})" for number, line in enumerate(lines, 1) if len(line) > MAX_LINE_LENGTH]
+
+
+def test_no_source_line_is_longer_than_120_characters():
+    sources = tracked_sources()
+    assert any(path.name == "test_structure.py" for path in sources), "no tracked .py file found"
+    offenders = [hit for path in sources
+                 for hit in long_lines(path.relative_to(REPO).as_posix(), path.read_text(encoding="utf-8"))]
+    assert not offenders, f"{len(offenders)} lines over {MAX_LINE_LENGTH} characters: {offenders}"
+    assert long_lines("x.py", "ok\n" + "x" * 121) == ["x.py:2 (121)"]  # the check can fail

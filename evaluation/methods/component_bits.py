@@ -129,5 +129,6 @@ def _rewrite_layer(layer, code, captured, i, bases, config, mode, token_group) -
     planes = z_hat[:, :half].reshape(-1, heads, dim).transpose(0, 1).contiguous()  # [H, C, d]
     rotate_heads(planes, cos[0].index_select(0, coded).float(), sin[0].index_select(0, coded).float())
     layer.keys[0].index_copy_(1, coded, planes.to(layer.keys.dtype))
-    layer.values[0].index_copy_(1, coded, z_hat[:, half:].reshape(-1, heads, dim).transpose(0, 1).to(layer.values.dtype))
+    layer.values[0].index_copy_(1, coded,
+                                z_hat[:, half:].reshape(-1, heads, dim).transpose(0, 1).to(layer.values.dtype))
     return float((quantized != 0).any(0).sum()) / float(code.ranks.float().mean())

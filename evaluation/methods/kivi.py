@@ -23,7 +23,8 @@ class KiviMethod:
     def __init__(self, name: str, spec: dict):
         self.name, self.spec = name, spec
         self.options = {"backend": spec.get("backend", "quanto"), "nbits": spec.get("nbits", 2),
-                        "q_group_size": spec.get("q_group_size", 64), "residual_length": spec.get("residual_length", 128),
+                        "q_group_size": spec.get("q_group_size", 64),
+                        "residual_length": spec.get("residual_length", 128),
                         "axis_key": spec.get("axis_key", 0), "axis_value": spec.get("axis_value", 0)}
 
     def compress(self, ctx: Context) -> Compressed:

@@ -150,8 +150,8 @@ class VarRateMethod:
             from .component_bits import rewrite
             extra.update(rewrite(cache, ctx.captured, bases, config, self.spec["eval_coefs"],
                                  self.spec.get("eval_token_group", 64)))
-        extra = {**extra, **rank_diagnostics(cache), **fp16_fraction(cache), "bases": self.spec.get("bases", default_bases),
-                 "bases_sha256": weights_sha(bases)}
+        extra = {**extra, **rank_diagnostics(cache), **fp16_fraction(cache),
+                 "bases": self.spec.get("bases", default_bases), "bases_sha256": weights_sha(bases)}
         return Compressed(cache, seconds, extra=extra)
 
     def _compress_with_quantized_keys(self, ctx: Context, bases: Bases, config: VarRateConfig, start: float,

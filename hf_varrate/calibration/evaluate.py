@@ -77,7 +77,8 @@ def _squared_errors(layer: VarRateLayer, exact_layer) -> torch.Tensor:
     coded = code.coded_pos.to(layer.keys.device)
     k_hat, v_hat = layer.keys[0][:, coded].double(), layer.values[0][:, coded].double()
     k, v = exact_layer.keys[0][:, coded].double(), exact_layer.values[0][:, coded].double()
-    return torch.stack([(k_hat - k).square().sum(), k.square().sum(), (v_hat - v).square().sum(), v.square().sum()]).cpu()
+    return torch.stack([(k_hat - k).square().sum(), k.square().sum(),
+                        (v_hat - v).square().sum(), v.square().sum()]).cpu()
 
 
 def _ratio(error: torch.Tensor, norm: torch.Tensor) -> float:

@@ -91,7 +91,8 @@ def measure_sensitivity(model, bases: Bases, contexts: list[torch.Tensor], budge
     return {"levels": levels, "probe": probe, "preset": preset, "settings": {**overrides, "budget_dtype": counted},
             "num_contexts": len(contexts), "context_length": int(len(contexts[0])),
             "seconds": round(time.perf_counter() - started, 1), **(metadata or {}),
-            "kl": {repr(b): {str(i): [round(x, 6) for x in row] for i, row in curves.items()} for b, curves in kl.items()}}
+            "kl": {repr(b): {str(i): [round(x, 6) for x in row] for i, row in curves.items()}
+                   for b, curves in kl.items()}}
 
 
 def write_measurement(folder: str | Path, measured: dict) -> Path:

@@ -2,7 +2,8 @@
 
 from .allocation import topk_ranks, waterfill_ranks
 from .attend import attend_codes
-from .anchors import anchor_means, anchor_positions, exact_mask, gather_means, nearest_anchors, nearest_anchors_mm, residuals
+from .anchors import (anchor_means, anchor_positions, exact_mask, gather_means, nearest_anchors, nearest_anchors_mm,
+                      residuals)
 from .budget import coefficient_budget
 from .codes import QuantizedCoefs
 from .joint import join_kv, joint_rows, split_kv
@@ -16,10 +17,11 @@ from .salience import attention_scale, minmax, pool_scores, snapkv_scores
 
 __all__ = [
     "SIGNALS", "Signal", "SignalInputs", "attention_scale", "matmul_dtype", "register_signal", "tensor_bytes",
-    "PromptCode", "QuantizedCoefs", "RankOrder", "anchor_means", "attend_codes", "anchor_positions", "coded_salience", "coef_values",
+    "PromptCode", "QuantizedCoefs", "RankOrder", "anchor_means", "attend_codes", "anchor_positions", "coded_salience",
+    "coef_values",
     "coefficient_budget", "compress_prompt", "decode", "decode_blocks", "decode_prompt", "dequantize", "encode",
     "encode_blocks", "encode_prompt", "exact_mask", "gather_means", "join_kv", "joint_rows", "minmax",
     "nearest_anchors", "nearest_anchors_mm", "pack", "pool_scores", "quantize", "rank_order", "residuals",
-    "rope_tables", "rotate_keys", "rotate_rows", "sample_positions", "snapkv_scores", "split_kv", "topk_ranks", "unpack",
-    "unrotate_keys", "unrotate_rows", "waterfill_ranks",
+    "rope_tables", "rotate_keys", "rotate_rows", "sample_positions", "snapkv_scores", "split_kv", "topk_ranks",
+    "unpack", "unrotate_keys", "unrotate_rows", "waterfill_ranks",
 ]

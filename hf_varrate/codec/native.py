@@ -111,7 +111,8 @@ def anchor_keys(exact_keys: torch.Tensor, rows: torch.Tensor, positions: torch.T
                 positions.long().contiguous(), turns.float().contiguous(), n_neighbours)
 
 
-def add_anchor_shares(coded: torch.Tensor, exact: torch.Tensor, neighbours: torch.Tensor, anchor_rows: torch.Tensor) -> bool:
+def add_anchor_shares(coded: torch.Tensor, exact: torch.Tensor, neighbours: torch.Tensor,
+                      anchor_rows: torch.Tensor) -> bool:
     """exact[..., anchor_rows[neighbours[t, n]]] += coded[..., t] / n_neighbours for every t and n, in place:
     coded [..., C] and exact [..., E] are fp32 views into one [..., N] buffer whose last dim is contiguous.
     False where it does not apply (the caller adds them with index_add_); an index out of range raises

@@ -92,7 +92,8 @@ def anchor_keys_loop(exact_keys: torch.Tensor, rows: torch.Tensor, positions: to
     heads, n_exact, dim = exact_keys.shape
     _check_range(rows, n_exact, "anchor rows")
     _check_range(positions, turns.shape[0], "positions")
-    keys, rows, positions, turns = exact_keys.contiguous(), rows.contiguous(), positions.contiguous(), turns.contiguous()
+    keys, rows, positions, turns = (exact_keys.contiguous(), rows.contiguous(), positions.contiguous(),
+                                    turns.contiguous())
     out = torch.empty(rows.numel(), heads * dim)
     _loops().anchor_keys(_ptr(keys), heads, n_exact, dim, _ptr(rows), _ptr(positions), rows.numel(), _ptr(turns),
                          n_neighbours, _ptr(out))
@@ -190,7 +191,8 @@ smallest_columns = torch.library.custom_op(f"{_NAMESPACE}::smallest_columns", sm
 
 @smallest_columns.register_fake
 def _(scores, k):
-    return [scores.new_empty(scores.shape[0], k, dtype=torch.int64), scores.new_empty(scores.shape[0], dtype=torch.bool)]
+    return [scores.new_empty(scores.shape[0], k, dtype=torch.int64),
+            scores.new_empty(scores.shape[0], dtype=torch.bool)]
 
 
 def subtract_means_loop(z: torch.Tensor, anchors: torch.Tensor, neighbours: torch.Tensor, keep: bool) -> torch.Tensor:

@@ -91,7 +91,8 @@ class PromptCode:
         parts["ranks"] = ranks.numel() * self.ranks.element_size()
         if isinstance(self.coefs, QuantizedCoefs):
             whole = limit == self.seq_len  # the tensors held, else what a stream for the kept ranks takes
-            parts["codes"] = self.coefs.codes.numel() if whole else packed_bytes(int(ranks.long().sum()), self.coefs.bits)
+            parts["codes"] = (self.coefs.codes.numel() if whole
+                              else packed_bytes(int(ranks.long().sum()), self.coefs.bits))
             parts["scales"] = (coef_bytes(self.coefs) if whole else self.coefs.nbytes_for(ranks)) - parts["codes"]
         else:
             parts["codes"] = int(ranks.long().sum()) * (self.coefs.element_size() if kv_bytes is None else kv_bytes)

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import native
-from .codes import (QuantizedCoefs, check_bits, group_counts, pack_bits, round_down, round_scales, round_up, scale_dtype,
-                    unpack_bits)
+from .codes import (QuantizedCoefs, check_bits, group_counts, pack_bits, round_down, round_scales, round_up,
+                    scale_dtype, unpack_bits)
 from .components import component_index, dequantize_components
 
 if TYPE_CHECKING:

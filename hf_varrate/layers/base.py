@@ -86,7 +86,8 @@ class VarRateLayer(TurnsMixin, DynamicLayer):
         self.appended = 0  # tokens after the prompt, coded later turns included
         self.turns: list[Turn] = []  # coded later turns, in order
         self.held_turn: HeldTurn | None = None  # a later turn still arriving
-        self.model_dtype: torch.dtype | None = None  # the K/V dtype of the model's forwards (the held prompt's may differ)
+        # the K/V dtype of the model's forwards (the held prompt's may differ)
+        self.model_dtype: torch.dtype | None = None
 
     @classmethod
     def from_layer(cls, layer: VarRateLayer) -> VarRateLayer:
