@@ -279,15 +279,17 @@ def summarize(results: list[dict], layers: list[int]) -> str:
 
 
 def depth_table(results: list[dict], layers: list[int], variants: list[str]) -> str:
-    """Markdown: per fifth of the document the asked needle sits in, the examples each variant answers right, the
-    asked needle sentence's key error and its attention mass, mean over `layers`, over the full and the coded keys."""
+    """Markdown: per fifth of the document the asked needle sits in, the examples each variant answers right (and
+    their answer NLL against the full cache's, where the results have it), the key error of the asked needle's
+    other words ("asked rest"), and the asked needle's attention mass, mean over `layers`, over the full and the
+    coded keys."""
     fifths = collections.defaultdict(list)
     for r in results:
         fifths[min(int(r["depth"] * 5), 4)].append(r)
     graded = [v for v in variants if v != "full" and all("answer nll" in r for r in results)]
     lines = ["| asked needle's depth | n | " + " | ".join(f"right: {v}" for v in variants)
              + "".join(f" | NLL vs full: {v}" for v in graded)
-             + " | key error: asked needle | attention full | attention codes |",
+             + " | key error: asked rest | attention full | attention codes |",
              "|---|---|" + "---|" * (len(variants) + len(graded) + 3)]
     for fifth, rows in sorted(fifths.items()):
         right = [sum(r["answers"][v] == "right" for r in rows) for v in variants] + [nll_gap(rows, v) for v in graded]
