@@ -54,13 +54,13 @@ from evaluation.methods import Context, make_method
 from evaluation.methods.base import dynamic_from_capture
 from evaluation.prompts import encode
 from evaluation.run import quiet
-from evaluation.stats import bootstrap_mean_ci
 from evaluation.tasks import build_examples
 from evaluation.tasks.needle import ANSWER_PREFIX
 from hf_varrate.binding import attention_modules, window_queries
 from hf_varrate.models import DEFAULT_MODELS, load_default_model
 
 from .needle_confusions import KINDS, NEEDLE_PATTERN, classify, planted, template_pattern
+from .needle_depths import by_fifth, interval
 
 TASKS = ("niah_multikey", "niah_single")
 EXACT = 2e-3  # a relative error below this is a token stored exactly (rounded to the cache's dtype), not coded
@@ -241,7 +241,7 @@ def counterfactual_answers(model, tokenizer, example, context, cache, groups: di
 def summarize(results: list[dict], layers: list[int]) -> str:
     """Markdown: per-group errors and exact shares, attention masses per layer, answers by kind per variant, and
     (where the results have them) errors by tenth of the prompt and answers by the asked needle's depth."""
-    mean = lambda key, rows=results: sum(r[key] for r in rows) / len(rows)  # noqa: E731
+    mean = lambda key: sum(r[key] for r in results) / len(results)  # noqa: E731
 
     def rank(group: str) -> str:  # over the examples whose layers coded some of the group's tokens
         ranks = [r[f"mean rank: {group}"] for r in results if r.get(f"mean rank: {group}") is not None]
@@ -283,20 +283,17 @@ def depth_table(results: list[dict], layers: list[int], variants: list[str]) -> 
     their answer NLL against the full cache's, where the results have it), the key error of the asked needle's
     other words ("asked rest"), and the asked needle's attention mass, mean over `layers`, over the full and the
     coded keys."""
-    fifths = collections.defaultdict(list)
-    for r in results:
-        fifths[min(int(r["depth"] * 5), 4)].append(r)
     graded = [v for v in variants if v != "full" and all("answer nll" in r for r in results)]
     lines = ["| asked needle's depth | n | " + " | ".join(f"right: {v}" for v in variants)
              + "".join(f" | NLL vs full: {v}" for v in graded)
              + " | key error: asked rest | attention full | attention codes |",
              "|---|---|" + "---|" * (len(variants) + len(graded) + 3)]
-    for fifth, rows in sorted(fifths.items()):
+    for fifth, rows in by_fifth(results, lambda r: r["depth"]):
         right = [sum(r["answers"][v] == "right" for r in rows) for v in variants] + [nll_gap(rows, v) for v in graded]
         error = sum(r["key error: asked rest"] for r in rows) / len(rows)
         mass = {name: sum(r[f"attention {name} L{i}: asked needle"] for r in rows for i in layers)
                 / (len(rows) * len(layers)) for name in ("full", "codes")}
-        lines.append(f"| {fifth / 5:.1f}-{(fifth + 1) / 5:.1f} | {len(rows)} | " + " | ".join(map(str, right))
+        lines.append(f"| {fifth} | {len(rows)} | " + " | ".join(map(str, right))
                      + f" | {error:.3f} | {mass['full']:.4f} | {mass['codes']:.4f} |")
     return "\n".join(lines)
 
@@ -304,9 +301,7 @@ def depth_table(results: list[dict], layers: list[int], variants: list[str]) -> 
 def nll_gap(results: list[dict], variant: str) -> str:
     """The full cache's mean answer NLL minus `variant`'s over `results`, with its bootstrap 95% CI, signed as the
     evaluation report signs it (positive: `variant` is surer of the right answer than the full cache)."""
-    gaps = [r["answer nll"]["full"] - r["answer nll"][variant] for r in results]
-    low, high = bootstrap_mean_ci(gaps)
-    return f"{sum(gaps) / len(gaps):+.3f} [{low:+.3f}, {high:+.3f}]"
+    return interval([r["answer nll"]["full"] - r["answer nll"][variant] for r in results], ".3f")
 
 
 def flips(answers: list[dict], variant: str, other: str) -> tuple[int, int]:

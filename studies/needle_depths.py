@@ -57,7 +57,17 @@ def contrast(early, late, *, samples: int = BOOTSTRAP_SAMPLES, seed: int = 0) ->
     return float(early.mean() - late.mean()), float(low), float(high)
 
 
-def interval(values, scale: str, samples: int) -> str:
+def by_fifth(items, depth) -> list[tuple[str, list]]:
+    """[(a fifth of the document as "0.2-0.4", the items whose `depth(item)` falls in it)], in depth order; depth 1
+    falls in the last fifth."""
+    fifths = collections.defaultdict(list)
+    for item in items:
+        fifths[min(int(depth(item) * FIFTHS), FIFTHS - 1)].append(item)
+    return [(f"{k / FIFTHS:.1f}-{(k + 1) / FIFTHS:.1f}", rows) for k, rows in sorted(fifths.items())]
+
+
+def interval(values, scale: str, samples: int = BOOTSTRAP_SAMPLES) -> str:
+    """"mean [low, high]" of `values` (None dropped) with its bootstrap 95% CI, signed, in format `scale`."""
     values = [v for v in values if v is not None]
     if not values:
         return "n/a"
@@ -69,12 +79,9 @@ def table(cell: str, pairs: list[tuple], early: float, late: float, samples: int
     """Markdown: one cell's rows per fifth of depth, then the early - late contrast of both differences."""
     lines = [f"### {cell}", "", "| asked needle's depth | n | answers, A - B (points) | answer NLL, A surer (nats) |",
              "|---|---|---|---|"]
-    fifths = collections.defaultdict(list)
-    for pair in pairs:
-        fifths[min(int(pair[0] * FIFTHS), FIFTHS - 1)].append(pair)
-    for fifth, rows in sorted(fifths.items()):
+    for fifth, rows in by_fifth(pairs, lambda pair: pair[0]):
         answers, nll = interval([r[1] for r in rows], ".1f", samples), interval([r[2] for r in rows], ".3f", samples)
-        lines.append(f"| {fifth / FIFTHS:.1f}-{(fifth + 1) / FIFTHS:.1f} | {len(rows)} | {answers} | {nll} |")
+        lines.append(f"| {fifth} | {len(rows)} | {answers} | {nll} |")
     parts = []
     for name, column, scale in (("answers", 1, ".1f"), ("answer NLL", 2, ".3f")):
         sides = [[p[column] for p in pairs if keep(p[0]) and p[column] is not None]
