@@ -82,6 +82,27 @@ def test_needle_attention_puts_back_exact_rows_in_a_copy_and_groups_query_heads(
     assert ranks_at(SimpleNamespace(stored_exactly=True), torch.tensor([0]), 6) is None
 
 
+def test_needle_attention_scales_the_chosen_keys_to_their_exact_norms_keeping_the_codes_direction():
+    from types import SimpleNamespace
+
+    from studies.needle_attention import norm_ratio, put_back
+
+    torch.manual_seed(0)
+    exact = {0: torch.randn(1, 2, 6, 4)}
+    coded = 0.5 * exact[0] + 0.1 * torch.randn(1, 2, 6, 4)  # shrunk: every norm ratio near a half
+    cache = SimpleNamespace(layers=[SimpleNamespace(keys=coded.clone(), values=coded.clone())])
+    assert (norm_ratio(exact[0][0], coded[0]) < 0.8).all()
+    patched = put_back(cache, exact, [0], "key norms", torch.tensor([0, 3]))
+    assert torch.equal(cache.layers[0].keys, coded)  # the original is untouched
+    keys = patched.layers[0].keys
+    assert torch.allclose(keys[:, :, [0, 3]].norm(dim=-1), exact[0][:, :, [0, 3]].norm(dim=-1))
+    assert torch.allclose(torch.cosine_similarity(keys[:, :, [0, 3]], coded[:, :, [0, 3]], dim=-1),
+                          torch.ones(1, 2, 2))
+    assert torch.equal(keys[:, :, [1, 2, 4, 5]], coded[:, :, [1, 2, 4, 5]])
+    assert torch.equal(patched.layers[0].values, coded)
+    assert torch.allclose(norm_ratio(exact[0][0][:, [0, 3]], keys[0][:, [0, 3]]), torch.ones(2))
+
+
 def test_needle_attention_counts_paired_flips_per_variant():
     from studies.needle_attention import GROUPS, NEEDLES, VARIANTS, flips, summarize
 
