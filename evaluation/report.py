@@ -16,6 +16,7 @@ from statistics import median
 import numpy as np
 
 from .stats import bootstrap_mean_ci, paired_comparison
+from .tasks.needle import depth_bin
 
 CELL = ("model", "task", "length", "regime")
 
@@ -92,11 +93,11 @@ def needle_ranks(rows: list[dict], bins: int = 5) -> list[dict]:
     groups: dict = defaultdict(list)
     for row in rows:
         if row["task"].startswith("niah") and row.get("rank_by_decile") and row.get("depth") is not None:
-            k = min(int(row["depth"] * bins), bins - 1)
+            k = depth_bin(row["depth"], bins)
             groups[(*(row[c] for c in CELL), row["method"], k)].append(row)
     out = []
     for key, rs in sorted(groups.items(), key=lambda kv: tuple(map(str, kv[0]))):
-        ranks = [r["rank_by_decile"][min(int(r["depth"] * 10), 9)] for r in rs]
+        ranks = [r["rank_by_decile"][depth_bin(r["depth"], 10)] for r in rs]
         ranks = [rank for rank in ranks if rank is not None]  # None: that prompt was stored exactly
         out.append({**dict(zip((*CELL, "method"), key[:-1])), "depth_low": key[-1] / bins,
                     "depth_high": (key[-1] + 1) / bins, "n": len(rs),

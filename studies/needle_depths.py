@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from evaluation.stats import BOOTSTRAP_SAMPLES, bootstrap_mean_ci
+from evaluation.tasks.needle import depth_bin
 
 FIFTHS = 5
 
@@ -62,7 +63,7 @@ def by_fifth(items, depth) -> list[tuple[str, list]]:
     falls in the last fifth."""
     fifths = collections.defaultdict(list)
     for item in items:
-        fifths[min(int(depth(item) * FIFTHS), FIFTHS - 1)].append(item)
+        fifths[depth_bin(depth(item), FIFTHS)].append(item)
     return [(f"{k / FIFTHS:.1f}-{(k + 1) / FIFTHS:.1f}", rows) for k, rows in sorted(fifths.items())]
 
 

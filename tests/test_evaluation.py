@@ -139,6 +139,13 @@ def test_answer_nll_is_the_teacher_forced_nll_and_leaves_the_cache_as_it_was(tin
         answer_nll(tiny_llama, cache, None, tail, [], len(prompt))
 
 
+def test_a_needles_depth_bin_is_its_span_of_the_document_and_the_end_falls_in_the_last():
+    from evaluation.tasks.needle import depth_bin
+
+    assert [depth_bin(d, 5) for d in (0.0, 0.19, 0.2, 0.59, 0.999, 1.0)] == [0, 0, 1, 2, 4, 4]
+    assert [depth_bin(d, 10) for d in (0.05, 0.95, 1.0)] == [0, 9, 9]
+
+
 def test_needle_ranks_put_each_needles_score_beside_the_rank_at_its_decile():
     from evaluation.report import markdown_needle_ranks, needle_ranks
     profile = [10.0 * (k + 1) for k in range(10)]  # decile k got rank 10 (k + 1)

@@ -28,6 +28,11 @@ NOUNS = ("tiger", "anchor", "blanket", "canyon", "dolphin", "engine", "falcon", 
 DEFAULT_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 
 
+def depth_bin(depth: float, bins: int) -> int:
+    """Which of `bins` equal spans of the document a needle at `depth` (a fraction of it) sits in; 1 is the last."""
+    return min(int(depth * bins), bins - 1)
+
+
 def needle_examples(task: str, tokenizer, chat: bool, length: int, n: int, *, num_keys: int = 1,
                     depths=DEFAULT_DEPTHS, max_new_tokens: int = 16, first: int = 0, **_) -> list[Example]:
     """`n` examples whose compressed context (query-agnostic) is about `length` tokens: numbers
