@@ -79,9 +79,12 @@ VARIANTS = {
     "exact keys: haystack": ("keys", ("haystack",)),
     "exact keys: all": ("keys", GROUPS),
     "exact values: all": ("values", GROUPS),
+    "halved key error: needles": ("halved key error", GROUPS[:6]),
+    "quartered key error: needles": ("quartered key error", GROUPS[:6]),
     "key norms: needles": ("key norms", GROUPS[:6]),
     "key norms: all": ("key norms", GROUPS),
 }
+SHRUNK_ERROR = {"halved key error": 0.5, "quartered key error": 0.25}  # the share of the key's error left
 # Keys the codes err on most, per layer (the largest ||coded - exact|| over the heads, among all prompt tokens): a
 # query-agnostic choice a codec could make at the prefill, where it holds the exact keys (dense-and-sparse, as
 # KVQuant keeps outliers). Unpaid here, like every variant: it asks whether such a choice finds the needles.
@@ -146,8 +149,10 @@ def answer_attention(query: torch.Tensor, keys: torch.Tensor, scaling: float) ->
 
 
 def put_back(cache, exact, layers: list[int], which: str, positions: torch.Tensor):
-    """A copy of a materialized VarRate cache with `which` ('keys' / 'values') at `positions` exact again, or
-    ('key norms') each of those keys, per head, scaled to its exact key's norm (the direction still the code's)."""
+    """A copy of a materialized VarRate cache with `which` ('keys' / 'values') at `positions` exact again,
+    ('key norms') each of those keys, per head, scaled to its exact key's norm (the direction still the code's), or
+    ('halved key error' / 'quartered key error') moved that far toward the exact key: how much more precision the
+    needles' keys need, short of exact."""
     patched = copy.deepcopy(cache)
     for i in layers:
         layer, rows = patched.layers[i], positions[i] if isinstance(positions, dict) else positions
@@ -155,6 +160,11 @@ def put_back(cache, exact, layers: list[int], which: str, positions: torch.Tenso
             coded = layer.keys[:, :, rows].float()
             scale = exact[i][:, :, rows].float().norm(dim=-1, keepdim=True) / coded.norm(dim=-1, keepdim=True)
             layer.keys[:, :, rows] = (coded * scale.nan_to_num(1.0, 1.0, 1.0)).to(layer.keys.dtype)
+            continue
+        if which in SHRUNK_ERROR:
+            coded = layer.keys[:, :, rows].float()
+            kept = SHRUNK_ERROR[which]
+            layer.keys[:, :, rows] = (exact[i][:, :, rows].float() * (1 - kept) + coded * kept).to(layer.keys.dtype)
             continue
         getattr(layer, which)[:, :, rows] = exact[i][:, :, rows].to(getattr(layer, which).dtype)
     return patched

@@ -101,6 +101,9 @@ def test_needle_attention_scales_the_chosen_keys_to_their_exact_norms_keeping_th
     assert torch.equal(keys[:, :, [1, 2, 4, 5]], coded[:, :, [1, 2, 4, 5]])
     assert torch.equal(patched.layers[0].values, coded)
     assert torch.allclose(norm_ratio(exact[0][0][:, [0, 3]], keys[0][:, [0, 3]]), torch.ones(2))
+    halved = put_back(cache, exact, [0], "halved key error", torch.tensor([2])).layers[0].keys
+    assert torch.allclose(halved[:, :, 2] - exact[0][:, :, 2], (coded[:, :, 2] - exact[0][:, :, 2]) / 2)
+    assert torch.equal(halved[:, :, [0, 1, 3, 4, 5]], coded[:, :, [0, 1, 3, 4, 5]])
 
 
 def test_needle_attention_counts_paired_flips_per_variant():
