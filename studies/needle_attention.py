@@ -90,6 +90,13 @@ SHRUNK_ERROR = {"halved key error": 0.5, "quartered key error": 0.25}  # the sha
 # KVQuant keeps outliers). Unpaid here, like every variant: it asks whether such a choice finds the needles.
 WORST = {"exact keys: worst 2%": 0.02, "exact keys: worst 5%": 0.05}
 VARIANTS |= {name: ("keys", ()) for name in WORST}  # positions chosen per layer by `worst_keys`
+# Keys the document's own queries read most (H2O's heavy hitters, over every QUERY_STRIDE-th query of the prompt
+# rather than SnapKV's tail window), per layer: query-agnostic, and paid by the prefill's attention once more.
+ATTENDED = {"exact keys: most read 1%": 0.01, "exact keys: most read 2%": 0.02}
+VARIANTS |= {name: ("keys", ()) for name in ATTENDED}  # positions chosen per layer by `most_read`
+QUERY_STRIDE = 16
+RANDOM = {"exact keys: random 2%": 0.02}  # the control: as many keys, chosen by no signal (seeded per layer)
+VARIANTS |= {name: ("keys", ()) for name in RANDOM}
 
 
 def token_groups(tokenizer, ids: list[int], asked: str) -> dict[str, torch.Tensor]:
@@ -193,7 +200,12 @@ def diagnose(model, tokenizer, model_name: str, example, method, variants=tuple(
     found = {"depth": example.meta["depth"], **group_errors(context, cache, layers, groups),
              **worst_shares(context, cache, layers, groups),
              **position_errors(context, cache, layers), **answer_masses(model, captured, context, cache, groups)}
-    answers, found["answer nll"] = counterfactual_answers(model, tokenizer, example, context, cache, groups, variants)
+    read = None
+    if any(v in ATTENDED for v in variants):
+        read = attention_read(model, context, layers)
+        found |= read_shares(most_read(read, max(ATTENDED.values())), groups)
+    answers, found["answer nll"] = counterfactual_answers(model, tokenizer, example, context, cache, groups, variants,
+                                                          read)
     values = planted(tokenizer.decode(seg.context))
     found["answers"] = {k: classify(v, example.answers[0], values) for k, v in answers.items()}
     found["predictions"] = answers
@@ -224,6 +236,36 @@ def group_errors(context, cache, layers: list[int], groups: dict) -> dict:
     return found
 
 
+def attention_read(model, context, layers: list[int], stride: int = QUERY_STRIDE) -> dict[int, torch.Tensor]:
+    """{layer: [S]} the mean attention each prompt token gets from the prompt's own queries (every `stride`-th,
+    causal, summed over query heads), over the queries that can see it: H2O's accumulated attention, with the
+    causal count divided out so early tokens are not favoured for being seen more often."""
+    modules = {m.layer_idx: m for m in attention_modules(model)}
+    length = context.length
+    rows = torch.arange(stride - 1, length, stride)
+    read = {}
+    for i in layers:
+        queries = window_queries(modules[i], context.hidden[i], context.cos[i], context.sin[i], length)[0][:, rows]
+        keys = context.keys[i][0].repeat_interleave(queries.shape[0] // context.keys[i].shape[1], dim=0)
+        scores = torch.einsum("hqd,hsd->hqs", queries.float(), keys.float()) * modules[i].scaling
+        scores = scores.masked_fill(torch.arange(length)[None, None] > rows[None, :, None], float("-inf"))
+        received = torch.softmax(scores, dim=-1).sum(dim=(0, 1))  # [S]
+        seen = (rows[:, None] >= torch.arange(length)[None]).sum(dim=0).clamp_min(1)
+        read[i] = received / seen
+    return read
+
+
+def most_read(read: dict[int, torch.Tensor], share: float) -> dict[int, torch.Tensor]:
+    """{layer: the round(share * S) positions the prompt's queries read most (`attention_read`), the first token
+    (an attention sink, stored exactly anyway) left out}."""
+    chosen = {}
+    for i, scores in read.items():
+        scores = scores.clone()
+        scores[0] = float("-inf")
+        chosen[i] = scores.topk(max(1, round(share * scores.numel()))).indices.sort().values
+    return chosen
+
+
 def worst_shares(context, cache, layers: list[int], groups: dict) -> dict:
     """Per token group, the share of its tokens among each layer's worst keys (`worst_keys`, the smallest share of
     WORST), mean over `layers`: does the codec's own error find the needles?"""
@@ -235,6 +277,20 @@ def worst_shares(context, cache, layers: list[int], groups: dict) -> dict:
             found[f"in worst {share:.0%}: {group}"] = sum(float(torch.isin(where, chosen[i]).float().mean())
                                                          for i in layers) / len(layers)
     return found
+
+
+def random_keys(length: int, layers: list[int], share: float) -> dict[int, torch.Tensor]:
+    """{layer: round(share * length) positions drawn without replacement (seed: the layer), the first token out}."""
+    count = max(1, round(share * length))
+    return {i: (1 + torch.randperm(length - 1, generator=torch.Generator().manual_seed(i))[:count]).sort().values
+            for i in layers}
+
+
+def read_shares(chosen: dict[int, torch.Tensor], groups: dict) -> dict:
+    """Per token group, the share of its tokens among each layer's most read keys (`most_read` at the largest share
+    of ATTENDED), mean over layers."""
+    return {f"most read: {group}": sum(float(torch.isin(where, rows).float().mean()) for rows in chosen.values())
+            / len(chosen) for group, where in groups.items() if len(where)}
 
 
 def position_errors(context, cache, layers: list[int]) -> dict:
@@ -271,7 +327,8 @@ def answer_masses(model, captured, context, cache, groups: dict) -> dict:
     return found
 
 
-def counterfactual_answers(model, tokenizer, example, context, cache, groups: dict, variants) -> tuple[dict, dict]:
+def counterfactual_answers(model, tokenizer, example, context, cache, groups: dict, variants,
+                           read: dict | None = None) -> tuple[dict, dict]:
     """({variant: greedy answer}, {variant: the right answer's mean NLL an answer token, teacher-forced}) from the
     full cache and from the codes with each variant's groups put back exact; the NLL is the graded measure the
     runner's `answer_nll` is, so a variant that moves no answer can still be seen to move the model's certainty."""
@@ -286,6 +343,8 @@ def counterfactual_answers(model, tokenizer, example, context, cache, groups: di
         variant_cache = cache
         if which is not None:
             positions = (worst_keys(context, cache, layers, WORST[variant]) if variant in WORST
+                         else most_read(read, ATTENDED[variant]) if variant in ATTENDED
+                         else random_keys(context.length, layers, RANDOM[variant]) if variant in RANDOM
                          else torch.cat([groups[g] for g in names]))
             exact = context.values if which == "values" else context.keys
             variant_cache = put_back(cache, exact, layers, which, positions)
@@ -309,12 +368,12 @@ def summarize(results: list[dict], layers: list[int]) -> str:
         found = [r[key] for r in results if r.get(key) is not None]
         return f" {sum(found) / len(found):{form}} |" if found else " n/a |"
 
-    worst = f"in worst {min(WORST.values()):.0%}"
+    worst, read = f"in worst {min(WORST.values()):.0%}", f"most read {max(ATTENDED.values()):.0%}"
     lines = ["| group | key rel. error | value rel. error | stored exactly | mean rank of its coded tokens "
-             f"| coded keys' norm / exact | {worst} of keys |", "|---|---|---|---|---|---|---|"]
+             f"| coded keys' norm / exact | {worst} of keys | in the {read} |", "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {g} | {mean(f'key error: {g}'):.3f} | {mean(f'value error: {g}'):.3f} | "
               f"{mean(f'exact share: {g}'):.1%} |" + rank(g) + later(f"key norm ratio: {g}", ".3f")
-              + later(f"{worst}: {g}", ".1%") for g in groups]
+              + later(f"{worst}: {g}", ".1%") + later(f"most read: {g}", ".1%") for g in groups]
     heads = [f"{name}: {needle}" + (" (3)" if needle == "other needles" else "") for name in ("full", "codes")
              for needle in needles]
     lines += ["", "| layer | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
