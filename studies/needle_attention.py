@@ -52,6 +52,7 @@ from evaluation.config import REPO, load_config
 from evaluation.generate import answer_nll, greedy_answer
 from evaluation.methods import Context, make_method
 from evaluation.methods.base import dynamic_from_capture
+from evaluation.methods.read_keys import attention_read, most_read
 from evaluation.prompts import encode
 from evaluation.run import quiet
 from evaluation.tasks import build_examples
@@ -90,11 +91,10 @@ SHRUNK_ERROR = {"halved key error": 0.5, "quartered key error": 0.25}  # the sha
 # KVQuant keeps outliers). Unpaid here, like every variant: it asks whether such a choice finds the needles.
 WORST = {"exact keys: worst 2%": 0.02, "exact keys: worst 5%": 0.05}
 VARIANTS |= {name: ("keys", ()) for name in WORST}  # positions chosen per layer by `worst_keys`
-# Keys the document's own queries read most (H2O's heavy hitters, over every QUERY_STRIDE-th query of the prompt
-# rather than SnapKV's tail window), per layer: query-agnostic, and paid by the prefill's attention once more.
+# Keys the document's own queries read most (H2O's heavy hitters, from every 16th query of the prompt rather than
+# SnapKV's tail window, `evaluation.methods.read_keys`), per layer: query-agnostic, at the cost of more attention.
 ATTENDED = {"exact keys: most read 1%": 0.01, "exact keys: most read 2%": 0.02}
 VARIANTS |= {name: ("keys", ()) for name in ATTENDED}  # positions chosen per layer by `most_read`
-QUERY_STRIDE = 16
 RANDOM = {"exact keys: random 2%": 0.02}  # the control: as many keys, chosen by no signal (seeded per layer)
 VARIANTS |= {name: ("keys", ()) for name in RANDOM}
 
@@ -234,36 +234,6 @@ def group_errors(context, cache, layers: list[int], groups: dict) -> dict:
         ranks = torch.cat([r for r in ranks if r is not None] or [torch.zeros(0)])
         found[f"mean rank: {group}"] = float(ranks.mean()) if ranks.numel() else None
     return found
-
-
-def attention_read(model, context, layers: list[int], stride: int = QUERY_STRIDE) -> dict[int, torch.Tensor]:
-    """{layer: [S]} the mean attention each prompt token gets from the prompt's own queries (every `stride`-th,
-    causal, summed over query heads), over the queries that can see it: H2O's accumulated attention, with the
-    causal count divided out so early tokens are not favoured for being seen more often."""
-    modules = {m.layer_idx: m for m in attention_modules(model)}
-    length = context.length
-    rows = torch.arange(stride - 1, length, stride)
-    read = {}
-    for i in layers:
-        queries = window_queries(modules[i], context.hidden[i], context.cos[i], context.sin[i], length)[0][:, rows]
-        keys = context.keys[i][0].repeat_interleave(queries.shape[0] // context.keys[i].shape[1], dim=0)
-        scores = torch.einsum("hqd,hsd->hqs", queries.float(), keys.float()) * modules[i].scaling
-        scores = scores.masked_fill(torch.arange(length)[None, None] > rows[None, :, None], float("-inf"))
-        received = torch.softmax(scores, dim=-1).sum(dim=(0, 1))  # [S]
-        seen = (rows[:, None] >= torch.arange(length)[None]).sum(dim=0).clamp_min(1)
-        read[i] = received / seen
-    return read
-
-
-def most_read(read: dict[int, torch.Tensor], share: float) -> dict[int, torch.Tensor]:
-    """{layer: the round(share * S) positions the prompt's queries read most (`attention_read`), the first token
-    (an attention sink, stored exactly anyway) left out}."""
-    chosen = {}
-    for i, scores in read.items():
-        scores = scores.clone()
-        scores[0] = float("-inf")
-        chosen[i] = scores.topk(max(1, round(share * scores.numel()))).indices.sort().values
-    return chosen
 
 
 def worst_shares(context, cache, layers: list[int], groups: dict) -> dict:

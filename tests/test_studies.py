@@ -106,34 +106,6 @@ def test_needle_attention_scales_the_chosen_keys_to_their_exact_norms_keeping_th
     assert torch.equal(halved[:, :, [0, 1, 3, 4, 5]], coded[:, :, [0, 1, 3, 4, 5]])
 
 
-def test_needle_attention_chooses_keys_by_what_is_read_most_and_at_random_never_the_first_token():
-    from studies.needle_attention import most_read, random_keys
-
-    read = {3: torch.tensor([9.0, 0.1, 0.5, 0.2, 0.4, 0.3, 0.0, 0.6, 0.05, 0.15])}
-    assert most_read(read, 0.2)[3].tolist() == [2, 7]  # the sink at 0 is stored exactly anyway
-    assert most_read(read, 0.01)[3].tolist() == [7]  # at least one
-    drawn = random_keys(1000, [0, 5], 0.02)
-    assert all(len(rows) == 20 and 0 not in rows.tolist() and len(set(rows.tolist())) == 20 for rows in drawn.values())
-    assert drawn[0].tolist() != drawn[5].tolist() and random_keys(1000, [0], 0.02)[0].tolist() == drawn[0].tolist()
-
-
-def test_needle_attention_reads_the_attention_each_token_gets_as_the_model_computes_it(tiny_llama):
-    from evaluation.capture import capture, full_attention_layers
-    from studies.needle_attention import attention_read
-
-    ids = torch.randint(3, tiny_llama.config.vocab_size, (40,)).tolist()
-    layers = full_attention_layers(tiny_llama)
-    with torch.no_grad():
-        read = attention_read(tiny_llama, capture(tiny_llama, ids), layers, stride=4)
-        tiny_llama.set_attn_implementation("eager")
-        weights = tiny_llama(torch.tensor([ids]), output_attentions=True).attentions
-    rows = torch.arange(3, 40, 4)
-    for i in layers:
-        received = weights[i][0][:, rows].sum(dim=(0, 1))  # every 4th query, heads summed
-        seen = (rows[:, None] >= torch.arange(40)[None]).sum(dim=0)
-        assert torch.allclose(read[i], received / seen, atol=1e-5)
-
-
 def test_needle_attention_counts_paired_flips_per_variant():
     from studies.needle_attention import GROUPS, NEEDLES, VARIANTS, flips, summarize
 

@@ -18,6 +18,9 @@ the value half weighted by w (0: the keys' alone); see `key_energy`.
 `eval_keys_bits: b` (evaluation only, with `eval_keys_group: G`) quantizes the coded tokens' keys per channel
 beside values coded low-rank, within the spec's budget; see `kivi_keys`.
 
+`eval_read_keys: p` (evaluation only, with `eval_read_stride: s`) puts back the exact keys of the p most read
+tokens of each layer (H2O's heavy hitters, from the prompt's own queries), within the spec's budget; see `read_keys`.
+
 `signal: eval_surprisal` (evaluation only, not a library signal) feeds the codec a salience the cache
 cannot see: each prompt token's surprisal -log p(token | earlier tokens) under the model, from an extra
 forward over the compressed prompt; see `surprisal`.
@@ -42,7 +45,7 @@ from ..capture import clock, decoder, replay
 from .base import Compressed, Context, dynamic_from_capture
 
 NOT_CONFIG = {"kind", "bases", "impl", "preset", "layer_scales", "eval_coefs", "eval_token_group", "eval_query_weights",
-              "eval_energy_value_weight", "eval_keys_bits", "eval_keys_group"}
+              "eval_energy_value_weight", "eval_keys_bits", "eval_keys_group", "eval_read_keys", "eval_read_stride"}
 SURPRISAL = "eval_surprisal"  # registered (once) when a method spec names it; never by importing this module
 _surprisal: dict = {"current": None}  # the surprisal [S] of the prompt being coded, set only around its replay
 
@@ -90,6 +93,16 @@ class VarRateMethod:
                 raise ValueError(f"method {name!r}: eval_keys_bits rewrites the keys of a materialized cache within a "
                                  f"budget counted in fp16, and the codec must be told how little to weigh the keys; "
                                  f"the spec needs {needs}, a key_weight (e.g. 0.01), a budget and impl: cache")
+        if "eval_read_keys" in spec:
+            needs = {"storage": "materialized", "budget_dtype": "float16"}
+            missing = {k: v for k, v in needs.items() if self.overrides.get(k) != v}
+            if missing or self.impl != "cache" or "budget" not in spec or "eval_keys_bits" in spec:
+                raise ValueError(f"method {name!r}: eval_read_keys puts exact keys into a materialized cache within a "
+                                 f"budget counted in fp16; the spec needs {needs}, a budget and impl: cache, and "
+                                 f"not eval_keys_bits")
+            if not 0 < float(spec["eval_read_keys"]) < 1:
+                raise ValueError(f"method {name!r}: eval_read_keys={spec['eval_read_keys']!r} is the share of the "
+                                 f"prompt's tokens whose keys are put back exact; give one in (0, 1), e.g. 0.02")
         self._bases: dict[tuple[str, str], Bases] = {}  # by (model, which): one run may switch models
 
     def config_for(self, bases: Bases, **fields) -> VarRateConfig:
@@ -134,6 +147,8 @@ class VarRateMethod:
             return Compressed(cache, seconds, extra={"stored_bytes": press.layer_bytes()})
         if "eval_keys_bits" in self.spec:
             return self._compress_with_quantized_keys(ctx, bases, config, start, default_bases)
+        if "eval_read_keys" in self.spec:
+            return self._compress_with_read_keys(ctx, bases, config, start, default_bases)
         extra = {}
         if config.signal == SURPRISAL:  # the extra forward is not counted: the library would reuse the prefill's
             head_seconds = surprisal(ctx.model, ctx.ids)  # final hidden states and pay only lm_head + log-softmax
@@ -187,6 +202,39 @@ class VarRateMethod:
         stored = {i: layers[i].bytes + spent_i for i, spent_i in spent.items()}
         extra = {"stored_bytes": stored, **rank_diagnostics(cache), "fraction_fp16": held / full,
                  "eval_keys_codec_budget": codec_budget, "eval_keys_passes": passes,
+                 "bases": self.spec.get("bases", default_bases), "bases_sha256": weights_sha(bases)}
+        return Compressed(cache, seconds, extra=extra)
+
+
+    def _compress_with_read_keys(self, ctx: Context, bases: Bases, config: VarRateConfig, start: float,
+                                 default_bases: str):
+        """`read_keys`: the most read tokens' exact keys, the codec at the budget less what they take."""
+        from ..capture import full_attention_layers
+        from .read_keys import attention_read, key_bytes, most_read, put_back_keys, share
+
+        fraction = float(self.spec["eval_read_keys"])
+        chosen = most_read(attention_read(ctx.model, ctx.captured, full_attention_layers(ctx.model),
+                                          int(self.spec.get("eval_read_stride", 16))), fraction)
+        heads, dim = ctx.captured.keys[0].shape[1], ctx.captured.keys[0].shape[-1]
+        codec_budget, passes = config.budget - share(fraction), 0
+        while True:
+            passes += 1
+            cache = VarRateCache(bases, self.config_for(bases, budget=codec_budget), model_config=ctx.model.config)
+            replay(cache, ctx.model, ctx.captured)
+            counts = put_back_keys(cache, ctx.captured, chosen)
+            spent = {i: key_bytes(count, heads, dim) for i, count in counts.items()}
+            held, full = fp16_bytes(cache)
+            held += sum(spent.values())
+            slack = config.budget - held / full
+            if passes == 2 or abs(slack) <= 0.002:
+                break
+            codec_budget += slack
+        seconds = clock() - start
+        layers = cache.footprint().layers
+        stored = {i: layers[i].bytes + spent_i for i, spent_i in spent.items()}
+        extra = {"stored_bytes": stored, **rank_diagnostics(cache), "fraction_fp16": held / full,
+                 "eval_read_codec_budget": codec_budget, "eval_read_passes": passes,
+                 "eval_read_exact_keys": sum(counts.values()),
                  "bases": self.spec.get("bases", default_bases), "bases_sha256": weights_sha(bases)}
         return Compressed(cache, seconds, extra=extra)
 
