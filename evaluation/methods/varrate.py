@@ -179,24 +179,18 @@ class VarRateMethod:
         if codec_budget <= 0:
             raise ValueError(f"method {self.name!r}: keys at eval_keys_bits={bits} take {share(bits, group):.3f} of "
                              f"the fp16 bytes, more than budget={config.budget}; lower the bits or raise the budget")
-        passes = 0
-        while True:
-            passes += 1
-            cache = VarRateCache(bases, self.config_for(bases, budget=codec_budget), model_config=ctx.model.config)
-            replay(cache, ctx.model, ctx.captured)
+
+        def rewrite(cache):
             exact = [i for i, layer in enumerate(cache.layers)
                      if any(code.stored_exactly for code in getattr(layer, "codes", []))]
             if exact:  # a codec budget below the exact set's bytes stores the layer as it is: not the budget asked
                 raise ValueError(f"method {self.name!r}: with keys at eval_keys_bits={bits} the values get "
-                                 f"budget={codec_budget:.4f}, too little for the exact tokens, so layers {exact} were "
-                                 f"stored exactly; lower the bits or raise the budget")
-            spent = rewrite_keys(cache, ctx.captured, bits, group)
-            held, full = fp16_bytes(cache)
-            held += sum(spent.values())
-            slack = config.budget - held / full
-            if passes == 2 or slack <= 0.002:
-                break
-            codec_budget += slack
+                                 f"budget={cache.config.budget:.4f}, too little for the exact tokens, so layers "
+                                 f"{exact} were stored exactly; lower the bits or raise the budget")
+            return rewrite_keys(cache, ctx.captured, bits, group)
+
+        cache, spent, held, full, codec_budget, passes = self._two_passes(ctx, bases, config, codec_budget, rewrite,
+                                                                          lambda slack: slack <= 0.002)
         seconds = clock() - start
         layers = cache.footprint().layers
         stored = {i: layers[i].bytes + spent_i for i, spent_i in spent.items()}
@@ -205,6 +199,21 @@ class VarRateMethod:
                  "bases": self.spec.get("bases", default_bases), "bases_sha256": weights_sha(bases)}
         return Compressed(cache, seconds, extra=extra)
 
+    def _two_passes(self, ctx: Context, bases: Bases, config: VarRateConfig, codec_budget: float, rewrite, close):
+        """The codec at `codec_budget`, then `rewrite(cache)` -> {layer: bytes it adds}; once more with the slack
+        to `config.budget` added unless `close(slack)`. Returns (cache, spent, held, full, codec_budget, passes)."""
+        passes = 0
+        while True:
+            passes += 1
+            cache = VarRateCache(bases, self.config_for(bases, budget=codec_budget), model_config=ctx.model.config)
+            replay(cache, ctx.model, ctx.captured)
+            spent = rewrite(cache)
+            held, full = fp16_bytes(cache)
+            held += sum(spent.values())
+            slack = config.budget - held / full
+            if passes == 2 or close(slack):
+                return cache, spent, held, full, codec_budget, passes
+            codec_budget += slack
 
     def _compress_with_read_keys(self, ctx: Context, bases: Bases, config: VarRateConfig, start: float,
                                  default_bases: str):
@@ -216,19 +225,14 @@ class VarRateMethod:
         chosen = most_read(attention_read(ctx.model, ctx.captured, full_attention_layers(ctx.model),
                                           int(self.spec.get("eval_read_stride", 16))), fraction)
         heads, dim = ctx.captured.keys[0].shape[1], ctx.captured.keys[0].shape[-1]
-        codec_budget, passes = config.budget - share(fraction), 0
-        while True:
-            passes += 1
-            cache = VarRateCache(bases, self.config_for(bases, budget=codec_budget), model_config=ctx.model.config)
-            replay(cache, ctx.model, ctx.captured)
-            counts = put_back_keys(cache, ctx.captured, chosen)
-            spent = {i: key_bytes(count, heads, dim) for i, count in counts.items()}
-            held, full = fp16_bytes(cache)
-            held += sum(spent.values())
-            slack = config.budget - held / full
-            if passes == 2 or abs(slack) <= 0.002:
-                break
-            codec_budget += slack
+        counts = {}
+
+        def rewrite(cache):
+            counts.update(put_back_keys(cache, ctx.captured, chosen))
+            return {i: key_bytes(count, heads, dim) for i, count in counts.items()}
+
+        cache, spent, held, full, codec_budget, passes = self._two_passes(
+            ctx, bases, config, config.budget - share(fraction), rewrite, lambda slack: abs(slack) <= 0.002)
         seconds = clock() - start
         layers = cache.footprint().layers
         stored = {i: layers[i].bytes + spent_i for i, spent_i in spent.items()}
