@@ -52,6 +52,8 @@ from evaluation.config import REPO, load_config
 from evaluation.generate import answer_nll, greedy_answer
 from evaluation.methods import Context, make_method
 from evaluation.methods.base import dynamic_from_capture
+from evaluation.methods.novel_keys import choose as novel_sentences
+from evaluation.methods.novel_keys import token_offsets
 from evaluation.methods.read_keys import attention_read, most_read
 from evaluation.prompts import encode
 from evaluation.run import quiet
@@ -97,19 +99,18 @@ ATTENDED = {"exact keys: most read 1%": 0.01, "exact keys: most read 2%": 0.02}
 VARIANTS |= {name: ("keys", ()) for name in ATTENDED}  # positions chosen per layer by `most_read`
 RANDOM = {"exact keys: random 2%": 0.02}  # the control: as many keys, chosen by no signal (seeded per layer)
 VARIANTS |= {name: ("keys", ()) for name in RANDOM}
+# The sentences that differ most from their neighbours in their values (`evaluation.methods.novel_keys`), whole,
+# the same for every layer: a query-agnostic choice from the prompt's own token ids and values.
+NOVEL = {"exact keys: novel sentences 2%": 0.02, "exact keys: novel sentences 5%": 0.05}
+VARIANTS |= {name: ("keys", ()) for name in NOVEL}
 
 
 def token_groups(tokenizer, ids: list[int], asked: str) -> dict[str, torch.Tensor]:
     """{group: LongTensor of positions in `ids`} for a multi-key prompt whose asked key is `asked`.
 
-    The prompt's text is decoded and re-encoded with offsets; a tokenizer that does not give back the same
-    ids is refused rather than mapped approximately."""
-    lead = 1 if ids and ids[0] == tokenizer.bos_token_id else 0
-    text = tokenizer.decode(ids[lead:])
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    if encoded["input_ids"] != ids[lead:]:
-        raise ValueError("the prompt does not re-encode to its own token ids, so its needles cannot be located by "
-                         "character offsets; this diagnostic needs a tokenizer whose decode round-trips")
+    The prompt's text is decoded and re-encoded with offsets (`novel_keys.token_offsets`: a tokenizer that does
+    not give back the same ids is refused rather than mapped approximately)."""
+    text, offsets = token_offsets(tokenizer, ids)
     spans = collections.defaultdict(list)  # group -> character spans
     for match in NEEDLE_PATTERN.finditer(text):
         who = "asked" if match.group(1) == asked else "other"
@@ -120,13 +121,11 @@ def token_groups(tokenizer, ids: list[int], asked: str) -> dict[str, torch.Tenso
         raise ValueError(f"the asked key {asked!r} is in {len(spans['asked key words'])} needles of the "
                          f"{len(ids)}-token prompt, not 1 (or the prompt is shorter than {TENTHS} tokens)")
     group_of = ["haystack"] * len(ids)
-    for position, (start, stop) in enumerate(encoded["offset_mapping"], start=lead):
+    for position, (start, stop) in enumerate(offsets):
         for group in GROUPS[:6]:  # first match wins: a key word is not also "rest"
             if any(start < b and a < stop for a, b in spans[group]):
                 group_of[position] = group
                 break
-    if lead:
-        group_of[0] = "haystack"
     return {g: torch.tensor([i for i, h in enumerate(group_of) if h == g], dtype=torch.long) for g in GROUPS}
 
 
@@ -204,8 +203,12 @@ def diagnose(model, tokenizer, model_name: str, example, method, variants=tuple(
     if any(v in ATTENDED for v in variants):
         read = attention_read(model, context, layers)
         found |= read_shares(most_read(read, max(ATTENDED.values())), groups)
+    novel = None
+    if any(v in NOVEL for v in variants):
+        novel = {share: novel_sentences(tokenizer, seg.context, context, layers, share) for share in NOVEL.values()}
+        found |= read_shares(novel[max(NOVEL.values())], groups, "most novel")
     answers, found["answer nll"] = counterfactual_answers(model, tokenizer, example, context, cache, groups, variants,
-                                                          read)
+                                                          read, novel)
     values = planted(tokenizer.decode(seg.context))
     found["answers"] = {k: classify(v, example.answers[0], values) for k, v in answers.items()}
     found["predictions"] = answers
@@ -256,10 +259,10 @@ def random_keys(length: int, layers: list[int], share: float) -> dict[int, torch
             for i in layers}
 
 
-def read_shares(chosen: dict[int, torch.Tensor], groups: dict) -> dict:
-    """Per token group, the share of its tokens among each layer's most read keys (`most_read` at the largest share
-    of ATTENDED), mean over layers."""
-    return {f"most read: {group}": sum(float(torch.isin(where, rows).float().mean()) for rows in chosen.values())
+def read_shares(chosen: dict[int, torch.Tensor], groups: dict, label: str = "most read") -> dict:
+    """Per token group, the share of its tokens among each layer's chosen keys (`most_read` at the largest share
+    of ATTENDED, or the most novel sentences at the largest of NOVEL), mean over layers."""
+    return {f"{label}: {group}": sum(float(torch.isin(where, rows).float().mean()) for rows in chosen.values())
             / len(chosen) for group, where in groups.items() if len(where)}
 
 
@@ -298,7 +301,7 @@ def answer_masses(model, captured, context, cache, groups: dict) -> dict:
 
 
 def counterfactual_answers(model, tokenizer, example, context, cache, groups: dict, variants,
-                           read: dict | None = None) -> tuple[dict, dict]:
+                           read: dict | None = None, novel: dict | None = None) -> tuple[dict, dict]:
     """({variant: greedy answer}, {variant: the right answer's mean NLL an answer token, teacher-forced}) from the
     full cache and from the codes with each variant's groups put back exact; the NLL is the graded measure the
     runner's `answer_nll` is, so a variant that moves no answer can still be seen to move the model's certainty."""
@@ -315,6 +318,7 @@ def counterfactual_answers(model, tokenizer, example, context, cache, groups: di
             positions = (worst_keys(context, cache, layers, WORST[variant]) if variant in WORST
                          else most_read(read, ATTENDED[variant]) if variant in ATTENDED
                          else random_keys(context.length, layers, RANDOM[variant]) if variant in RANDOM
+                         else novel[NOVEL[variant]] if variant in NOVEL
                          else torch.cat([groups[g] for g in names]))
             exact = context.values if which == "values" else context.keys
             variant_cache = put_back(cache, exact, layers, which, positions)
@@ -339,11 +343,14 @@ def summarize(results: list[dict], layers: list[int]) -> str:
         return f" {sum(found) / len(found):{form}} |" if found else " n/a |"
 
     worst, read = f"in worst {min(WORST.values()):.0%}", f"most read {max(ATTENDED.values()):.0%}"
+    novel = f"most novel {max(NOVEL.values()):.0%}"
     lines = ["| group | key rel. error | value rel. error | stored exactly | mean rank of its coded tokens "
-             f"| coded keys' norm / exact | {worst} of keys | in the {read} |", "|---|---|---|---|---|---|---|---|"]
+             f"| coded keys' norm / exact | {worst} of keys | in the {read} | in the {novel} |",
+             "|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {g} | {mean(f'key error: {g}'):.3f} | {mean(f'value error: {g}'):.3f} | "
               f"{mean(f'exact share: {g}'):.1%} |" + rank(g) + later(f"key norm ratio: {g}", ".3f")
-              + later(f"{worst}: {g}", ".1%") + later(f"most read: {g}", ".1%") for g in groups]
+              + later(f"{worst}: {g}", ".1%") + later(f"most read: {g}", ".1%") + later(f"most novel: {g}", ".1%")
+              for g in groups]
     heads = [f"{name}: {needle}" + (" (3)" if needle == "other needles" else "") for name in ("full", "codes")
              for needle in needles]
     lines += ["", "| layer | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]

@@ -85,7 +85,8 @@ def test_only_the_chosen_coded_keys_are_put_back_exact_within_the_total_budget(t
 
 @pytest.mark.parametrize("fields, match", [({"storage": "compact"}, "materialized"),
                                            ({"eval_read_keys": 0}, "eval_read_keys=0"),
-                                           ({"eval_keys_bits": 4, "key_weight": 0.01}, "not eval_keys_bits")])
+                                           ({"eval_keys_bits": 4, "key_weight": 0.01}, r"none of \['eval_keys_bits'\]"),
+                                           ({"eval_novel_keys": 0.02}, r"none of \['eval_novel_keys'\]")])
 def test_a_spec_the_rewrite_cannot_honour_is_refused_naming_what_to_change(fields, match):
     from evaluation.methods import make_method
 

@@ -69,7 +69,7 @@ def put_back_keys(cache, captured, chosen: dict[int, torch.Tensor]) -> dict[int,
     for i, rows in chosen.items():
         codes = getattr(cache.layers[i], "codes", [])
         if len(codes) != 1:
-            raise ValueError(f"eval_read_keys rewrites one coded prompt per layer; layer {i} holds {len(codes)}")
+            raise ValueError(f"exact keys are put back into one coded prompt per layer; layer {i} holds {len(codes)}")
         if codes[0].stored_exactly:
             counts[i] = 0
             continue

@@ -21,6 +21,9 @@ beside values coded low-rank, within the spec's budget; see `kivi_keys`.
 `eval_read_keys: p` (evaluation only, with `eval_read_stride: s`) puts back the exact keys of the p most read
 tokens of each layer (H2O's heavy hitters, from the prompt's own queries), within the spec's budget; see `read_keys`.
 
+`eval_novel_keys: p` (evaluation only, with `eval_novel_window: k`) does the same for the tokens of the sentences
+that differ most from their neighbours in their values; see `novel_keys`.
+
 `signal: eval_surprisal` (evaluation only, not a library signal) feeds the codec a salience the cache
 cannot see: each prompt token's surprisal -log p(token | earlier tokens) under the model, from an extra
 forward over the compressed prompt; see `surprisal`.
@@ -45,7 +48,9 @@ from ..capture import clock, decoder, replay
 from .base import Compressed, Context, dynamic_from_capture
 
 NOT_CONFIG = {"kind", "bases", "impl", "preset", "layer_scales", "eval_coefs", "eval_token_group", "eval_query_weights",
-              "eval_energy_value_weight", "eval_keys_bits", "eval_keys_group", "eval_read_keys", "eval_read_stride"}
+              "eval_energy_value_weight", "eval_keys_bits", "eval_keys_group", "eval_read_keys", "eval_read_stride",
+              "eval_novel_keys", "eval_novel_window"}
+EXACT_KEYS = {"eval_read_keys": "read", "eval_novel_keys": "novel"}  # spec field -> the extra fields' infix
 SURPRISAL = "eval_surprisal"  # registered (once) when a method spec names it; never by importing this module
 _surprisal: dict = {"current": None}  # the surprisal [S] of the prompt being coded, set only around its replay
 
@@ -93,15 +98,18 @@ class VarRateMethod:
                 raise ValueError(f"method {name!r}: eval_keys_bits rewrites the keys of a materialized cache within a "
                                  f"budget counted in fp16, and the codec must be told how little to weigh the keys; "
                                  f"the spec needs {needs}, a key_weight (e.g. 0.01), a budget and impl: cache")
-        if "eval_read_keys" in spec:
+        for field in EXACT_KEYS:
+            if field not in spec:
+                continue
             needs = {"storage": "materialized", "budget_dtype": "float16"}
             missing = {k: v for k, v in needs.items() if self.overrides.get(k) != v}
-            if missing or self.impl != "cache" or "budget" not in spec or "eval_keys_bits" in spec:
-                raise ValueError(f"method {name!r}: eval_read_keys puts exact keys into a materialized cache within a "
+            others = sorted({"eval_keys_bits", *EXACT_KEYS} - {field} & set(spec))
+            if missing or self.impl != "cache" or "budget" not in spec or others:
+                raise ValueError(f"method {name!r}: {field} puts exact keys into a materialized cache within a "
                                  f"budget counted in fp16; the spec needs {needs}, a budget and impl: cache, and "
-                                 f"not eval_keys_bits")
-            if not 0 < float(spec["eval_read_keys"]) < 1:
-                raise ValueError(f"method {name!r}: eval_read_keys={spec['eval_read_keys']!r} is the share of the "
+                                 f"none of {others}")
+            if not 0 < float(spec[field]) < 1:
+                raise ValueError(f"method {name!r}: {field}={spec[field]!r} is the share of the "
                                  f"prompt's tokens whose keys are put back exact; give one in (0, 1), e.g. 0.02")
         self._bases: dict[tuple[str, str], Bases] = {}  # by (model, which): one run may switch models
 
@@ -147,8 +155,8 @@ class VarRateMethod:
             return Compressed(cache, seconds, extra={"stored_bytes": press.layer_bytes()})
         if "eval_keys_bits" in self.spec:
             return self._compress_with_quantized_keys(ctx, bases, config, start, default_bases)
-        if "eval_read_keys" in self.spec:
-            return self._compress_with_read_keys(ctx, bases, config, start, default_bases)
+        if EXACT_KEYS.keys() & self.spec.keys():
+            return self._compress_with_exact_keys(ctx, bases, config, start, default_bases)
         extra = {}
         if config.signal == SURPRISAL:  # the extra forward is not counted: the library would reuse the prefill's
             head_seconds = surprisal(ctx.model, ctx.ids)  # final hidden states and pay only lm_head + log-softmax
@@ -215,15 +223,21 @@ class VarRateMethod:
                 return cache, spent, held, full, codec_budget, passes
             codec_budget += slack
 
-    def _compress_with_read_keys(self, ctx: Context, bases: Bases, config: VarRateConfig, start: float,
-                                 default_bases: str):
-        """`read_keys`: the most read tokens' exact keys, the codec at the budget less what they take."""
+    def _compress_with_exact_keys(self, ctx: Context, bases: Bases, config: VarRateConfig, start: float,
+                                  default_bases: str):
+        """`read_keys` / `novel_keys`: the chosen tokens' exact keys, the codec at the budget less what they take."""
         from ..capture import full_attention_layers
         from .read_keys import attention_read, key_bytes, most_read, put_back_keys, share
 
-        fraction = float(self.spec["eval_read_keys"])
-        chosen = most_read(attention_read(ctx.model, ctx.captured, full_attention_layers(ctx.model),
-                                          int(self.spec.get("eval_read_stride", 16))), fraction)
+        field = next(f for f in EXACT_KEYS if f in self.spec)
+        fraction, layers = float(self.spec[field]), full_attention_layers(ctx.model)
+        if field == "eval_read_keys":
+            chosen = most_read(attention_read(ctx.model, ctx.captured, layers,
+                                              int(self.spec.get("eval_read_stride", 16))), fraction)
+        else:
+            from .novel_keys import WINDOW, choose
+            chosen = choose(ctx.tokenizer, ctx.ids, ctx.captured, layers, fraction,
+                            int(self.spec.get("eval_novel_window", WINDOW)))
         heads, dim = ctx.captured.keys[0].shape[1], ctx.captured.keys[0].shape[-1]
         counts = {}
 
@@ -234,11 +248,12 @@ class VarRateMethod:
         cache, spent, held, full, codec_budget, passes = self._two_passes(
             ctx, bases, config, config.budget - share(fraction), rewrite, lambda slack: abs(slack) <= 0.002)
         seconds = clock() - start
-        layers = cache.footprint().layers
-        stored = {i: layers[i].bytes + spent_i for i, spent_i in spent.items()}
+        footprint = cache.footprint().layers
+        stored = {i: footprint[i].bytes + spent_i for i, spent_i in spent.items()}
+        infix = EXACT_KEYS[field]
         extra = {"stored_bytes": stored, **rank_diagnostics(cache), "fraction_fp16": held / full,
-                 "eval_read_codec_budget": codec_budget, "eval_read_passes": passes,
-                 "eval_read_exact_keys": sum(counts.values()),
+                 f"eval_{infix}_codec_budget": codec_budget, f"eval_{infix}_passes": passes,
+                 f"eval_{infix}_exact_keys": sum(counts.values()),
                  "bases": self.spec.get("bases", default_bases), "bases_sha256": weights_sha(bases)}
         return Compressed(cache, seconds, extra=extra)
 
