@@ -98,3 +98,63 @@ def test_the_novel_sentences_keys_are_put_back_exact_within_the_total_budget(tin
         assert comp.extra["stored_bytes"][i] == footprint + rk.key_bytes(put.numel(), true.shape[0], true.shape[-1])
         total += put.numel()
     assert comp.extra["eval_novel_exact_keys"] == total
+
+
+@pytest.fixture
+def novelty_registry():
+    from hf_varrate.signals import SIGNALS
+
+    from evaluation.methods.varrate import NOVELTY
+
+    had = NOVELTY in SIGNALS
+    yield NOVELTY
+    if not had:
+        SIGNALS.pop(NOVELTY, None)  # other test files parametrize over the registry
+
+
+def test_eval_novelty_gives_the_novel_sentences_the_rank_the_others_give_up(tiny_llama, one_intra_op_thread,
+                                                                           monkeypatch, novelty_registry):
+    from hf_varrate import Bases
+
+    from evaluation.capture import capture, full_attention_layers
+    from evaluation.methods import make_method, varrate
+    from evaluation.methods.base import Context
+
+    ids = torch.randint(2, 128, (700,), generator=torch.Generator().manual_seed(4)).tolist()
+    sentences = torch.arange(700) // 7
+    monkeypatch.setattr(nk, "sentence_of", lambda tokenizer, prompt: sentences[: len(prompt)])
+    captured = capture(tiny_llama, ids)
+    base = {"kind": "varrate", "preset": "recommended", "budget": 0.3, "budget_dtype": "float16", "balance": "none"}
+    compressed = {}
+    for name, fields in {"uniform": {}, "novel": {"signal": novelty_registry, "eval_novel_share": 0.05,
+                                                 "eval_novel_window": 3, "flat_floor": 0.9}}.items():
+        method = make_method(name, {**base, **fields})
+        method._bases[("tiny", "test")] = Bases.identity(tiny_llama.config)
+        compressed[name] = method.compress(Context(tiny_llama, None, "tiny", captured, ids), "test")
+    assert varrate._novel["current"] is None  # set only around the replay
+    chosen = nk.most_novel(None, ids, captured, full_attention_layers(tiny_llama), 0.05, window=3)
+    assert compressed["novel"].extra["eval_novel_tokens"] == chosen.numel() > 0
+    for flat_layer, layer in zip(compressed["uniform"].cache.layers, compressed["novel"].cache.layers):
+        flat, code = flat_layer.codes[0], layer.codes[0]
+        assert int(code.ranks.long().sum()) == int(flat.ranks.long().sum())  # the same coefficients, moved
+        novel = torch.isin(code.coded_pos.long(), chosen)
+        ranks, flat_rank = code.ranks.long(), float(flat.ranks.double().mean())
+        assert novel.any() and (~novel).any()
+        assert ranks[novel].min() > ranks[~novel].max()
+        assert ranks[~novel].min() >= int(0.9 * flat_rank) - 1  # the others keep the floor of 0.9 x flat
+    assert compressed["novel"].extra["fraction_fp16"] <= 0.3 + 2e-3
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"signal": "eval_novelty"}, "go together"),
+    ({"eval_novel_share": 0.05}, "go together"),
+    ({"signal": "eval_novelty", "eval_novel_share": 1.5}, r"in \(0, 1\)"),
+    ({"signal": "eval_novelty", "eval_novel_share": 0.05, "storage": "materialized", "eval_novel_keys": 0.02},
+     "drop one"),
+])
+def test_eval_novelty_refuses_a_spec_it_cannot_honour(fields, match, novelty_registry):
+    from evaluation.methods import make_method
+
+    with pytest.raises(ValueError, match=match):
+        make_method("bad", {"kind": "varrate", "preset": "recommended", "budget": 0.2, "budget_dtype": "float16",
+                            **fields})

@@ -15,7 +15,8 @@ Query-agnostic: it reads the compressed prompt's own token ids and values, nothi
 multi-key needles at 4K, by the share of needle tokens chosen (2%: 0.65 of them, 5%: 0.83; each layer choosing
 its own: 0.40 / 0.73), before any answer was read. A VarRate method spec with `eval_novel_keys: p` (and
 `eval_novel_window: k`) spends the spec's budget as `eval_read_keys` does (see `read_keys`): the exact keys and
-their positions charged, the codec at the rest.
+their positions charged, the codec at the rest. `signal: eval_novelty` (with `eval_novel_share: p`) spends rank on
+them instead: see `evaluation.methods.varrate`.
 """
 
 from __future__ import annotations
@@ -87,10 +88,16 @@ def novel_tokens(novelty: torch.Tensor, sentences: torch.Tensor, share: float) -
     return torch.isin(sentences, torch.tensor(chosen, dtype=torch.long)).nonzero().flatten()
 
 
-def choose(tokenizer, ids: list[int], captured, layers: list[int], share: float,
-           window: int = WINDOW) -> dict[int, torch.Tensor]:
-    """{layer: positions} for every one of `layers`: the same most novel sentences' tokens (`novel_tokens`)."""
+def most_novel(tokenizer, ids: list[int], captured, layers: list[int], share: float,
+               window: int = WINDOW) -> torch.Tensor:
+    """The positions of the prompt's most novel sentences (`novel_tokens`), their novelty read on `layers`' values."""
     sentences = sentence_of(tokenizer, ids)
     novelty = sentence_novelty({i: captured.values[i] for i in layers}, sentences, window)
-    rows = novel_tokens(novelty, sentences, share)
+    return novel_tokens(novelty, sentences, share)
+
+
+def choose(tokenizer, ids: list[int], captured, layers: list[int], share: float,
+           window: int = WINDOW) -> dict[int, torch.Tensor]:
+    """{layer: positions} for every one of `layers`: the same most novel sentences' tokens (`most_novel`)."""
+    rows = most_novel(tokenizer, ids, captured, layers, share, window)
     return {i: rows for i in layers}

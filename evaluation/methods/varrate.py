@@ -27,6 +27,12 @@ that differ most from their neighbours in their values; see `novel_keys`.
 `signal: eval_surprisal` (evaluation only, not a library signal) feeds the codec a salience the cache
 cannot see: each prompt token's surprisal -log p(token | earlier tokens) under the model, from an extra
 forward over the compressed prompt; see `surprisal`.
+
+`signal: eval_novelty` (evaluation only, with `eval_novel_share: p` and `eval_novel_window: k`) is 1 on the tokens
+of the most novel sentences (`novel_keys.most_novel`, up to p of the prompt) and 0 elsewhere, so water-filling gives
+them the rank the rest give up: with the library's `flat_floor: f` every other token keeps f x the flat rank, and
+the sentences share the remaining (1 - f) of the coefficient budget on top of theirs (f = 0.97, p = 0.05: about
+1.6x the flat rank for 3% of the budget, against 12.5% for their exact keys). Within the budget by construction.
 """
 
 from __future__ import annotations
@@ -49,10 +55,12 @@ from .base import Compressed, Context, dynamic_from_capture
 
 NOT_CONFIG = {"kind", "bases", "impl", "preset", "layer_scales", "eval_coefs", "eval_token_group", "eval_query_weights",
               "eval_energy_value_weight", "eval_keys_bits", "eval_keys_group", "eval_read_keys", "eval_read_stride",
-              "eval_novel_keys", "eval_novel_window"}
+              "eval_novel_keys", "eval_novel_window", "eval_novel_share"}
 EXACT_KEYS = {"eval_read_keys": "read", "eval_novel_keys": "novel"}  # spec field -> the extra fields' infix
 SURPRISAL = "eval_surprisal"  # registered (once) when a method spec names it; never by importing this module
 _surprisal: dict = {"current": None}  # the surprisal [S] of the prompt being coded, set only around its replay
+NOVELTY = "eval_novelty"  # the same: registered only by a spec that names it
+_novel: dict = {"current": None}  # (S, the most novel sentences' positions) of the prompt being coded, the same
 
 
 def shipped_bases() -> Path:
@@ -77,8 +85,20 @@ class VarRateMethod:
     def __init__(self, name: str, spec: dict):
         self.name, self.spec = name, spec
         self.overrides = {k: v for k, v in spec.items() if k not in NOT_CONFIG}
-        if self.overrides.get("signal") == SURPRISAL:
-            register_surprisal()
+        if self.overrides.get("signal") in (SURPRISAL, NOVELTY):
+            register_eval_signal(self.overrides["signal"])
+        if (self.overrides.get("signal") == NOVELTY) != ("eval_novel_share" in spec):
+            raise ValueError(f"method {name!r}: signal: {NOVELTY} and eval_novel_share go together (the share of the "
+                             f"prompt's tokens, in the most novel sentences, that the signal marks); give both, "
+                             f"e.g. eval_novel_share: 0.05 with flat_floor: 0.97")
+        if "eval_novel_share" in spec:
+            if not 0 < float(spec["eval_novel_share"]) < 1:
+                raise ValueError(f"method {name!r}: eval_novel_share={spec['eval_novel_share']!r} is a share of the "
+                                 f"prompt's tokens; give one in (0, 1), e.g. 0.05")
+            clash = sorted({"eval_keys_bits", *EXACT_KEYS} & set(spec))
+            if clash or spec.get("impl", "cache") != "cache":
+                raise ValueError(f"method {name!r}: signal: {NOVELTY} is set for the library's cache path alone "
+                                 f"(impl: cache), without {clash}; drop one of them")
         known = set(VarRateConfig.__dataclass_fields__)
         unknown = sorted(set(self.overrides) - known)
         if unknown:  # a typo must not silently run the defaults under a new name
@@ -162,12 +182,20 @@ class VarRateMethod:
             head_seconds = surprisal(ctx.model, ctx.ids)  # final hidden states and pay only lm_head + log-softmax
             extra["cpu_surprisal_head"] = round(head_seconds, 4)
             start = clock() - head_seconds
+        if config.signal == NOVELTY:  # counted: the library would pay for it at the prefill
+            from ..capture import full_attention_layers
+            from .novel_keys import WINDOW, most_novel
+
+            chosen = most_novel(ctx.tokenizer, ctx.ids, ctx.captured, full_attention_layers(ctx.model),
+                                float(self.spec["eval_novel_share"]), int(self.spec.get("eval_novel_window", WINDOW)))
+            _novel["current"] = (len(ctx.ids), chosen)
+            extra["eval_novel_tokens"] = chosen.numel()
         cache = VarRateCache(bases, config, model_config=ctx.model.config)
         try:
             with self._ranks():
                 replay(cache, ctx.model, ctx.captured)
         finally:
-            _surprisal["current"] = None
+            _surprisal["current"] = _novel["current"] = None
         seconds = clock() - start
         if "eval_coefs" in self.spec:  # evaluation only, its time not counted: see component_bits
             from .component_bits import rewrite
@@ -333,6 +361,16 @@ def surprisal_signal(x: SignalInputs) -> torch.Tensor:
     return minmax(nll.to(x.coded.device)[x.coded])
 
 
-def register_surprisal() -> None:
-    if SURPRISAL not in SIGNALS:
-        register_signal(SURPRISAL)(surprisal_signal)
+def novelty_signal(x: SignalInputs) -> torch.Tensor:
+    """`eval_novelty`: 1 on the coded tokens of the most novel sentences (set for the prompt being coded), 0 else."""
+    current = _novel["current"]
+    if current is None or current[0] != x.seq_len:
+        raise RuntimeError(f"signal {NOVELTY!r} is evaluation-only: it reads the most novel sentences that "
+                           f"VarRateMethod.compress finds for the prompt being coded")
+    return torch.isin(x.coded, current[1].to(x.coded.device)).float()
+
+
+def register_eval_signal(name: str) -> None:
+    """Register the evaluation-only signal `name` (SURPRISAL or NOVELTY) in the library's registry, once."""
+    if name not in SIGNALS:
+        register_signal(name)({SURPRISAL: surprisal_signal, NOVELTY: novelty_signal}[name])
