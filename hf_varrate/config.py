@@ -142,9 +142,10 @@ class VarRateConfig:
                   "help": "With coef_bits, where the quantization scales sit: 'token' (the paper) gives each group of "
                   "coef_group coefficients of one token an fp16 min and step; 'component' gives each component one "
                   "per component_tokens coded tokens (KIVI's layout for keys), so trailing components keep their "
-                  "precision and more rank fits the bytes; with allocation='distortion' the groups are of tokens by "
-                  "decreasing rank, each group's scales only as wide as its widest token. Needs signal='uniform', "
-                  "allocation='waterfill' or 'distortion', quantized_budget='same_bytes'."},
+                  "precision and more rank fits the bytes; where ranks vary (a salience signal, or "
+                  "allocation='distortion') the groups are of tokens by decreasing rank, each group's scales only as "
+                  "wide as its widest token. Needs allocation='waterfill' or 'distortion', "
+                  "quantized_budget='same_bytes'."},
     )
     component_tokens: int = field(
         default=64,

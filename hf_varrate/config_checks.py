@@ -93,7 +93,8 @@ def check_config(config) -> None:
 
 
 def check_component_scales(config) -> None:
-    """coef_scales='component' sizes its scale grid for coded tokens of (nearly) one rank, in bytes it counts."""
+    """coef_scales='component' quantizes coefficients held at the same bytes, with its scale grid counted in them:
+    the bound the budget counts holds for water-filled or distortion ranks, uniform or varying (axis "rank")."""
     conflicts = component_conflicts(config)
     if conflicts:
         name, value = next(iter(conflicts.items()))
@@ -106,7 +107,6 @@ def component_conflicts(config) -> dict[str, str]:
     """{field: the value coef_scales='component' needs of it} for each field of `config` that rules it out; empty
     when none does."""
     needs = {"coef_bits": (config.coef_bits is not None, "e.g. 3 or 4"),
-             "signal": (config.signal == "uniform", "'uniform'"),
              "allocation": (config.allocation != "topk", "'waterfill' or 'distortion'"),
              "quantized_budget": (config.quantized_budget == "same_bytes", "'same_bytes'")}
     return {name: value for name, (ok, value) in needs.items() if not ok}

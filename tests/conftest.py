@@ -66,6 +66,18 @@ def one_intra_op_thread():
         torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def restore_signals():
+    """Signals a test registers (the evaluation-only ones a method spec names) leave the registry afterwards:
+    other test files parametrize over it."""
+    from hf_varrate.signals import SIGNALS
+
+    before = set(SIGNALS)
+    yield
+    for name in set(SIGNALS) - before:
+        SIGNALS.pop(name)
+
+
 def _build_tiny(config: PretrainedConfig) -> PreTrainedModel:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)

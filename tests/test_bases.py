@@ -206,8 +206,7 @@ def test_settings_tuned_for_low_budgets_apply_only_there(tmp_path):
     assert "key_weight=4.0, at budget <= 0.1: coef_scales='component'" in render_card(bases.metadata)
 
 
-@pytest.mark.parametrize("override, field", [({"signal": "snapkv"}, "signal"), ({"allocation": "topk"}, "allocation"),
-                                             ({"coef_bits": None}, "coef_bits")])
+@pytest.mark.parametrize("override, field", [({"allocation": "topk"}, "allocation"), ({"coef_bits": None}, "coef_bits")])
 def test_tuned_component_scales_give_way_to_settings_that_rule_them_out(tmp_path, override, field):
     tuned = {"recommended": {"low_budget": {"coef_scales": "component"}}}
     write_artifact(tmp_path, good_tensors(), {**META, "presets": tuned})
@@ -222,6 +221,8 @@ def test_tuned_component_scales_give_way_to_settings_that_rule_them_out(tmp_path
         warnings.simplefilter("error")  # nothing to give way to: no warning
         assert bases.config("recommended", balance="none", layer_budgets="uniform",
                             budget=0.1).coef_scales == "component"
+        assert bases.config("recommended", balance="none", layer_budgets="uniform", budget=0.1,
+                            signal="key_norm").coef_scales == "component"  # varying ranks: scales by rank
 
 
 @pytest.mark.parametrize("presets, message", [

@@ -215,12 +215,15 @@ def test_rank_axis_equals_component_axis_where_ranks_never_rise():
 
 
 @pytest.mark.parametrize("budget", [0.1, 0.2])
-def test_distortion_ranks_with_component_scales_meet_the_budget_and_decode_as_encoded(budget):
-    """allocation='distortion' with coef_scales='component': ranks that vary, scales on axis "rank", the bytes
-    within the budget (and near it), and the decoder reproducing the encoder's reconstruction bit for bit."""
+@pytest.mark.parametrize("varying", [{"allocation": "distortion"}, {"signal": "snapkv"}, {"signal": "key_norm"},
+                                     {"signal": "residual"}])
+def test_varying_ranks_with_component_scales_meet_the_budget_and_decode_as_encoded(budget, varying):
+    """Ranks that vary (allocation='distortion', or a salience signal water-filled) with coef_scales='component':
+    scales on axis "rank", the bytes within the budget (and near it), and the decoder reproducing the encoder's
+    reconstruction bit for bit."""
     (keys, values, queries, cos, sin), basis = realistic_prompt()
     keys[:, :, ::5] *= 4  # tokens of different scale, so the ranks do vary
-    config = VarRateConfig(budget=budget, coef_bits=3, window=16, allocation="distortion", **COMPONENT)
+    config = VarRateConfig(budget=budget, coef_bits=3, window=16, **{**COMPONENT, **varying})
     code, k_hat, v_hat = compress_prompt(keys, values, queries, cos, sin, basis, config, 0.125)
     assert code.coefs.axis == "rank" and int(code.ranks.max()) - int(code.ranks.min()) > 1
     assert 0.97 * budget * code.full_nbytes() <= code.nbytes() <= budget * code.full_nbytes()
@@ -229,7 +232,16 @@ def test_distortion_ranks_with_component_scales_meet_the_budget_and_decode_as_en
     assert torch.equal(k_dec, k_hat) and torch.equal(v_dec, v_hat)
 
 
-@pytest.mark.parametrize("field,value", [("coef_bits", None), ("signal", "snapkv"), ("allocation", "topk"),
+def test_uniform_ranks_keep_the_component_axis():
+    """A flat water-fill (signal='uniform') keeps axis "component": its ranks differ by the remainder's one, and
+    grouping consecutive tokens is what the shipped presets were tuned with."""
+    (keys, values, queries, cos, sin), basis = realistic_prompt()
+    config = VarRateConfig(budget=0.2, coef_bits=3, window=16, **COMPONENT)
+    code, _, _ = compress_prompt(keys, values, queries, cos, sin, basis, config, 0.125)
+    assert code.coefs.axis == "component" and int(code.ranks.max()) - int(code.ranks.min()) <= 1
+
+
+@pytest.mark.parametrize("field,value", [("coef_bits", None), ("allocation", "topk"),
                                          ("quantized_budget", "same_ranks")])
 def test_component_scales_name_what_they_need(field, value):
     settings = {"coef_bits": 3, **COMPONENT, field: value}

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from evaluation.methods import novel_keys as nk
+from evaluation.methods.varrate import NOVELTY
 
 
 def test_a_token_is_in_the_sentence_its_last_character_is_in(smollm2):
@@ -100,20 +101,8 @@ def test_the_novel_sentences_keys_are_put_back_exact_within_the_total_budget(tin
     assert comp.extra["eval_novel_exact_keys"] == total
 
 
-@pytest.fixture
-def novelty_registry():
-    from hf_varrate.signals import SIGNALS
-
-    from evaluation.methods.varrate import NOVELTY
-
-    had = NOVELTY in SIGNALS
-    yield NOVELTY
-    if not had:
-        SIGNALS.pop(NOVELTY, None)  # other test files parametrize over the registry
-
-
 def test_eval_novelty_gives_the_novel_sentences_the_rank_the_others_give_up(tiny_llama, one_intra_op_thread,
-                                                                           monkeypatch, novelty_registry):
+                                                                           monkeypatch, restore_signals):
     from hf_varrate import Bases
 
     from evaluation.capture import capture, full_attention_layers
@@ -126,7 +115,7 @@ def test_eval_novelty_gives_the_novel_sentences_the_rank_the_others_give_up(tiny
     captured = capture(tiny_llama, ids)
     base = {"kind": "varrate", "preset": "recommended", "budget": 0.3, "budget_dtype": "float16", "balance": "none"}
     compressed = {}
-    for name, fields in {"uniform": {}, "novel": {"signal": novelty_registry, "eval_novel_share": 0.05,
+    for name, fields in {"uniform": {}, "novel": {"signal": NOVELTY, "eval_novel_share": 0.05,
                                                  "eval_novel_window": 3, "flat_floor": 0.9}}.items():
         method = make_method(name, {**base, **fields})
         method._bases[("tiny", "test")] = Bases.identity(tiny_llama.config)
@@ -151,8 +140,9 @@ def test_eval_novelty_gives_the_novel_sentences_the_rank_the_others_give_up(tiny
     ({"signal": "eval_novelty", "eval_novel_share": 1.5}, r"in \(0, 1\)"),
     ({"signal": "eval_novelty", "eval_novel_share": 0.05, "storage": "materialized", "eval_novel_keys": 0.02},
      "drop one"),
+    ({"signal": "eval_novelty", "eval_novel_share": 0.05, "impl": "press"}, "got impl: 'press'; use impl: cache"),
 ])
-def test_eval_novelty_refuses_a_spec_it_cannot_honour(fields, match, novelty_registry):
+def test_eval_novelty_refuses_a_spec_it_cannot_honour(fields, match, restore_signals):
     from evaluation.methods import make_method
 
     with pytest.raises(ValueError, match=match):

@@ -6,17 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from evaluation.methods.varrate import SURPRISAL
 from hf_varrate.signals import SIGNALS
-
-
-@pytest.fixture
-def surprisal_registry():
-    from evaluation.methods.varrate import SURPRISAL
-
-    had = SURPRISAL in SIGNALS
-    yield SURPRISAL
-    if not had:
-        SIGNALS.pop(SURPRISAL, None)  # other test files parametrize over the registry
 
 
 def test_surprisal_is_the_models_own_next_token_nll(tiny_llama, one_intra_op_thread):
@@ -33,16 +24,16 @@ def test_surprisal_is_the_models_own_next_token_nll(tiny_llama, one_intra_op_thr
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_eval_surprisal_ranks_follow_the_prompts_surprisal(tiny_llama, surprisal_registry, one_intra_op_thread):
+def test_eval_surprisal_ranks_follow_the_prompts_surprisal(tiny_llama, restore_signals, one_intra_op_thread):
     from evaluation.capture import capture
     from evaluation.methods import make_method, varrate
     from evaluation.methods.base import Context
     from hf_varrate.signals import SignalInputs
 
-    assert surprisal_registry not in SIGNALS or SIGNALS[surprisal_registry].score is varrate.surprisal_signal
+    assert SURPRISAL not in SIGNALS or SIGNALS[SURPRISAL].score is varrate.surprisal_signal
     method = make_method("s", {"kind": "varrate", "preset": "recommended", "bases": "identity", "balance": "none",
-                               "budget": 0.3, "signal": surprisal_registry})
-    assert surprisal_registry in SIGNALS  # registered by the spec that names it
+                               "budget": 0.3, "signal": SURPRISAL})
+    assert SURPRISAL in SIGNALS  # registered by the spec that names it
     ids = torch.randint(2, 128, (400,), generator=torch.Generator().manual_seed(2)).tolist()
     comp = method.compress(Context(tiny_llama, None, "tiny", capture(tiny_llama, ids), ids))
     assert varrate._surprisal["current"] is None  # set only around the replay

@@ -96,9 +96,12 @@ class VarRateMethod:
                 raise ValueError(f"method {name!r}: eval_novel_share={spec['eval_novel_share']!r} is a share of the "
                                  f"prompt's tokens; give one in (0, 1), e.g. 0.05")
             clash = sorted({"eval_keys_bits", *EXACT_KEYS} & set(spec))
-            if clash or spec.get("impl", "cache") != "cache":
-                raise ValueError(f"method {name!r}: signal: {NOVELTY} is set for the library's cache path alone "
-                                 f"(impl: cache), without {clash}; drop one of them")
+            if clash:
+                raise ValueError(f"method {name!r}: signal: {NOVELTY} moves rank, which {clash} would override "
+                                 f"with exact or quantized keys; drop one of them")
+            if spec.get("impl", "cache") != "cache":
+                raise ValueError(f"method {name!r}: signal: {NOVELTY} is set for the library's cache path alone, "
+                                 f"got impl: {spec['impl']!r}; use impl: cache (the default)")
         known = set(VarRateConfig.__dataclass_fields__)
         unknown = sorted(set(self.overrides) - known)
         if unknown:  # a typo must not silently run the defaults under a new name

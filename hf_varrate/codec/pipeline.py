@@ -301,6 +301,14 @@ def _by_component(config: VarRateConfig) -> bool:
     return config.coef_bits is not None and config.coef_scales == "component"
 
 
+def _component_axis(config: VarRateConfig) -> str:
+    """Where per-component scales sit: axis "component" for the (nearly) uniform ranks of a flat water-fill,
+    axis "rank" (a ragged grid, `components`) wherever a salience signal or the distortion allocation varies them,
+    so the scales stay within the budget's allowance however unequal the ranks are."""
+    uniform = config.signal == "uniform" and config.allocation == "waterfill"
+    return "component" if uniform else "rank"
+
+
 def _in_order(rows: torch.Tensor, plan: RankOrder | DenseOrder) -> torch.Tensor:
     """rows [C, ...] in coded order, put in the plan's order (by decreasing rank; unchanged when dense)."""
     return rows if isinstance(plan, DenseOrder) else rows[plan.order]
@@ -311,8 +319,7 @@ def _store_dense(coefs: torch.Tensor, plan: DenseOrder, dtype: torch.dtype, conf
     if config.coef_bits is None:
         return plan.to_stream(coefs).to(dtype)
     if _by_component(config):
-        axis = "rank" if config.allocation == "distortion" else "component"  # ranks that vary: a ragged grid
-        return quantize_components(coefs, plan, config.coef_bits, config.component_tokens, axis)
+        return quantize_components(coefs, plan, config.coef_bits, config.component_tokens, _component_axis(config))
     return quantize_dense(coefs, plan, config.coef_bits)
 
 
