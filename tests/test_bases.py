@@ -206,7 +206,8 @@ def test_settings_tuned_for_low_budgets_apply_only_there(tmp_path):
     assert "key_weight=4.0, at budget <= 0.1: coef_scales='component'" in render_card(bases.metadata)
 
 
-@pytest.mark.parametrize("override, field", [({"allocation": "topk"}, "allocation"), ({"coef_bits": None}, "coef_bits")])
+@pytest.mark.parametrize("override, field", [({"allocation": "topk"}, "allocation"),
+                                             ({"coef_bits": None}, "coef_bits")])
 def test_tuned_component_scales_give_way_to_settings_that_rule_them_out(tmp_path, override, field):
     tuned = {"recommended": {"low_budget": {"coef_scales": "component"}}}
     write_artifact(tmp_path, good_tensors(), {**META, "presets": tuned})
