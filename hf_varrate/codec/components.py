@@ -6,11 +6,12 @@ taking the step of a large leading one, and the scales cost less per coefficient
 order; the scales are a [ceil(C / COMPONENT_TOKENS), W] grid (W: the widest rank), row-major.
 
 Where the ranks vary (a salience signal, or `allocation="distortion"`), a grid that wide would hold scales for
-components most tokens of a group lack. Axis "rank" groups the tokens by decreasing rank instead (a stable sort,
-so ranks that never rise keep their order): group g holds sorted tokens [g * T, (g + 1) * T), and its grid row is
-only as wide as its first, widest token. The rows are ragged, concatenated; each is no wider than the previous group's narrowest token, so
-the grid holds at most sum(ranks) / T + the widest rank entries, which the budget's allowance for axis
-"component" covers (`budget.coefficient_budget`). The order and the row widths follow from the ranks alone.
+components most tokens of a group lack. Axis "rank" groups the tokens by decreasing rank instead (a stable sort, so
+ranks that never rise keep their order): group g holds sorted tokens [g * T, (g + 1) * T), and its grid row is only
+as wide as its first, widest token. The rows are ragged, concatenated; each is no wider than the previous group's
+narrowest token, so the grid holds at most sum(ranks) / T + the widest rank entries, which the budget's allowance
+for axis "component" covers (`budget.coefficient_budget`). The order and the row widths follow from the ranks
+alone.
 
 Shapes: dense coefficients [C, W] in coded order (`projection.DenseOrder`'s rows), packed stream [N].
 """
