@@ -52,7 +52,7 @@ from evaluation.config import REPO, load_config
 from evaluation.generate import answer_nll, greedy_answer
 from evaluation.methods import Context, make_method
 from evaluation.methods.base import dynamic_from_capture
-from evaluation.methods.novel_keys import choose as novel_sentences
+from evaluation.methods.novel_keys import most_novel_shares
 from evaluation.methods.novel_keys import token_offsets
 from evaluation.methods.read_keys import attention_read, most_read
 from evaluation.prompts import encode
@@ -205,7 +205,8 @@ def diagnose(model, tokenizer, model_name: str, example, method, variants=tuple(
         found |= read_shares(most_read(read, max(ATTENDED.values())), groups)
     novel = None
     if any(v in NOVEL for v in variants):
-        novel = {share: novel_sentences(tokenizer, seg.context, context, layers, share) for share in NOVEL.values()}
+        rows = most_novel_shares(tokenizer, seg.context, context, layers, list(NOVEL.values()))
+        novel = {share: {i: positions for i in layers} for share, positions in rows.items()}
         found |= read_shares(novel[max(NOVEL.values())], groups, "most novel")
     answers, found["answer nll"] = counterfactual_answers(model, tokenizer, example, context, cache, groups, variants,
                                                           read, novel)

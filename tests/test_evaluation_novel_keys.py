@@ -148,3 +148,16 @@ def test_eval_novelty_refuses_a_spec_it_cannot_honour(fields, match, restore_sig
     with pytest.raises(ValueError, match=match):
         make_method("bad", {"kind": "varrate", "preset": "recommended", "budget": 0.2, "budget_dtype": "float16",
                             **fields})
+
+
+def test_most_novel_shares_choose_as_most_novel_does_at_each_share(tiny_llama, one_intra_op_thread, monkeypatch):
+    from evaluation.capture import capture, full_attention_layers
+
+    ids = torch.randint(2, 128, (500,), generator=torch.Generator().manual_seed(6)).tolist()
+    monkeypatch.setattr(nk, "sentence_of", lambda tokenizer, prompt: torch.arange(len(prompt)) // 9)
+    captured, layers = capture(tiny_llama, ids), full_attention_layers(tiny_llama)
+    together = nk.most_novel_shares(None, ids, captured, layers, [0.02, 0.05], window=3)
+    for share, rows in together.items():
+        assert torch.equal(rows, nk.most_novel(None, ids, captured, layers, share, window=3))
+    assert 0 < together[0.02].numel() < together[0.05].numel()
+    assert torch.isin(together[0.02], together[0.05]).all()  # the most novel sentences come first at either share

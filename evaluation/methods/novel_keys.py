@@ -91,9 +91,15 @@ def novel_tokens(novelty: torch.Tensor, sentences: torch.Tensor, share: float) -
 def most_novel(tokenizer, ids: list[int], captured, layers: list[int], share: float,
                window: int = WINDOW) -> torch.Tensor:
     """The positions of the prompt's most novel sentences (`novel_tokens`), their novelty read on `layers`' values."""
+    return most_novel_shares(tokenizer, ids, captured, layers, [share], window)[share]
+
+
+def most_novel_shares(tokenizer, ids: list[int], captured, layers: list[int], shares: list[float],
+                      window: int = WINDOW) -> dict[float, torch.Tensor]:
+    """{share: `most_novel` at that share}, the novelty computed once for them all."""
     sentences = sentence_of(tokenizer, ids)
     novelty = sentence_novelty({i: captured.values[i] for i in layers}, sentences, window)
-    return novel_tokens(novelty, sentences, share)
+    return {share: novel_tokens(novelty, sentences, share) for share in shares}
 
 
 def choose(tokenizer, ids: list[int], captured, layers: list[int], share: float,
