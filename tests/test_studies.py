@@ -302,3 +302,20 @@ def test_byte_parts_study_counts_every_coded_layer_in_fp16_within_the_budget(smo
     assert list(parts) == list(PARTS) and full == 30 * 600 * 2 * 3 * 64 * 2  # 30 layers, K and V, 3 heads x 64, fp16
     assert 0.17 * full <= sum(parts.values()) <= 0.2 * full  # fp16-counted: the budget is met
     assert parts["codes"] > parts["scales"] > 0 and parts["exact"] > 0 and parts["anchor_indices"] > parts["ranks"] > 0
+
+
+def test_sentence_ends_segments_at_ending_tokens_and_change_points():
+    from studies.sentence_ends import END, change_points, layer0_spread, starts
+
+    assert [bool(END.search(t)) for t in ["Hello", " world.", " It", "?\"", " ok!)", "\n", " 3.", "5"]] == \
+        [False, True, False, True, True, True, True, False]
+    assert starts(torch.tensor([False, True, False, True, False])).tolist() == [0, 0, 1, 1, 2]
+    values = torch.ones(1, 1, 6, 2)
+    values[0, 0, 3:] = torch.tensor([1.0, -1.0])  # tokens 3.. point elsewhere: the one change point is at 3
+    assert change_points({0: values}, 6).tolist() == [0, 0, 0, 1, 1, 1]
+    ids = torch.tensor([5, 7, 5, 7])
+    same = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [0.0, 1.0]])[None, None]  # [1, 1, 4, 2]
+    assert layer0_spread(same, ids) == 0.0
+    moved = same.clone()
+    moved[0, 0, 2] = torch.tensor([1.0, 0.5])  # token 5 at two positions with values half apart
+    assert layer0_spread(moved, ids) == pytest.approx(0.5)
