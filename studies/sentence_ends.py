@@ -76,6 +76,8 @@ def layer0_spread(values: torch.Tensor, ids: torch.Tensor) -> float:
 
 
 def screen(model, tokenizer, example) -> dict[str, float]:
+    """{segmentation: needle share of its most novel segments}, the boundary agreement and the layer-0 spread, for
+    one multi-key example's document (captured alone, as under reuse)."""
     seg = example.segments
     captured = capture(model, seg.context)
     layers = full_attention_layers(model)
