@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from evaluation.capture import capture, full_attention_layers
-from evaluation.methods.novel_keys import novel_tokens, sentence_novelty, sentence_of
+from evaluation.methods.novel_keys import heads_side_by_side, novel_tokens, sentence_novelty, sentence_of
 from evaluation.run import quiet
 from evaluation.tasks import build_examples
 from hf_varrate.models import DEFAULT_MODELS, load_default_model
@@ -56,7 +56,7 @@ def change_points(states: dict[int, torch.Tensor], mean_length: int) -> torch.Te
     length = next(iter(states.values())).shape[-2]
     similar = torch.zeros(length)
     for layer in states.values():
-        flat = layer[0].float().permute(1, 0, 2).reshape(length, -1)
+        flat = heads_side_by_side(layer)
         similar[1:] += torch.nn.functional.cosine_similarity(flat[1:], flat[:-1], dim=1)
     similar[0] = float("inf")
     cut = torch.zeros(length, dtype=torch.long)
@@ -67,7 +67,7 @@ def change_points(states: dict[int, torch.Tensor], mean_length: int) -> torch.Te
 
 def layer0_spread(values: torch.Tensor, ids: torch.Tensor) -> float:
     """The largest relative distance between two positions' layer-0 values ([1, H, S, d]) of one token id."""
-    flat = values[0].float().permute(1, 0, 2).reshape(ids.numel(), -1)
+    flat = heads_side_by_side(values)
     spread = 0.0
     for token in ids.unique()[:SPREAD_IDS]:
         rows = flat[ids == token]

@@ -52,6 +52,11 @@ def sentence_of(tokenizer, ids: list[int]) -> torch.Tensor:
                         dtype=torch.long)
 
 
+def heads_side_by_side(states: torch.Tensor) -> torch.Tensor:
+    """[S, H * d] float: one layer's keys or values ([1, H, S, d]), each position's heads side by side."""
+    return states[0].float().permute(1, 0, 2).reshape(states.shape[-2], -1)
+
+
 def sentence_novelty(values: dict[int, torch.Tensor], sentences: torch.Tensor,
                      window: int = WINDOW) -> torch.Tensor:
     """[n] per sentence: 1 - cos(the mean of its tokens' values, the token-weighted mean of the `window` sentences'
@@ -65,7 +70,7 @@ def sentence_novelty(values: dict[int, torch.Tensor], sentences: torch.Tensor,
     around = around / around.sum(dim=1, keepdim=True).clamp_min(1)
     novelty = torch.zeros(n)
     for layer_values in values.values():
-        flat = layer_values[0].float().permute(1, 0, 2).reshape(sentences.numel(), -1)  # [S, H * d]
+        flat = heads_side_by_side(layer_values)
         means = torch.zeros(n, flat.shape[1]).index_add_(0, sentences, flat) / count[:, None].clamp_min(1)
         novelty += 1 - torch.nn.functional.cosine_similarity(means, around @ means, dim=1)
     novelty /= len(values)
